@@ -1,0 +1,43 @@
+/* Buffer intake: turn a Python object (NumPy array, any __dlpack__ producer, or an object NumPy
+ * wraps without copying) into a plain view: data pointer, dtype, shape, strides in elements, device.
+ * A view holds what keeps its memory alive (a NumPy reference or an owned DLPack managed tensor)
+ * until gvr_view_release(); callers release every view before returning to Python. */
+#ifndef GVR_BUFFER_H
+#define GVR_BUFFER_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define GVR_VIEW_MAX_NDIM 2
+
+typedef enum { GVR_DTYPE_OTHER = 0, GVR_DTYPE_F32, GVR_DTYPE_I32 } gvr_dtype;
+typedef enum { GVR_DEV_CPU = 1, GVR_DEV_CUDA = 2, GVR_DEV_CUDA_HOST = 3 } gvr_device;
+
+typedef struct {
+    const char *name;   /* argument name, for messages */
+    char *data;         /* first element (byte_offset applied) */
+    gvr_dtype dtype;
+    char dtype_str[24]; /* e.g. "float64", for messages */
+    int ndim;           /* the real ndim, may exceed GVR_VIEW_MAX_NDIM (then shape is unset) */
+    int64_t shape[GVR_VIEW_MAX_NDIM];
+    int64_t strides[GVR_VIEW_MAX_NDIM]; /* in elements */
+    gvr_device device;
+    int device_id;
+    int readonly;
+    /* ownership */
+    PyObject *array;    /* NumPy array reference, or NULL */
+    void *managed;      /* DLPack managed tensor we own, or NULL */
+    int versioned;
+} gvr_view;
+
+/* stream: the consumer stream handed to CUDA producers (-1: none requested). */
+int gvr_view_get(PyObject *obj, const char *name, int writable, intptr_t stream, gvr_view *v);
+void gvr_view_release(gvr_view *v);
+
+/* Device of obj without taking its buffer (for picking the stream). */
+int gvr_object_device(PyObject *obj, const char *name, gvr_device *dev, int *dev_id);
+
+const char *gvr_device_str(gvr_device d);
+
+#endif

@@ -1,0 +1,32 @@
+"""gvr: exact, fast decode-step operators for sparse-attention LLMs, with a C/CUDA core.
+
+gvr.topk_decode  exact Top-K of indexer scores, warm-started by the previous step's Top-K (GVR)
+gvr.data         deterministic workload generators (decode traces, i.i.d., adversarial rows)
+"""
+from . import _C
+from ._ops import topk_decode
+
+__version__ = "0.1.0"
+__all__ = ["topk_decode", "cuda_available", "build_info", "set_num_threads", "get_num_threads"]
+
+
+def cuda_available() -> bool:
+    """True when gvr's CUDA library is built and loads (a GPU is still needed to run it)."""
+    return _C.cuda_available()
+
+
+def build_info() -> dict:
+    """What this installation has: OpenMP, the CUDA library path and whether it loads."""
+    info = dict(_C.build_info())
+    info["cuda_error"] = _C.cuda_error()
+    info["cuda"] = info["cuda_error"] is None
+    return info
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for CPU rows when B > 1 (0: OpenMP's default)."""
+    _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return _C.get_num_threads()

@@ -1,0 +1,66 @@
+/* gvr_kernels.h: the whole C ABI of libgvr_cuda.so, and the parameter blocks shared with the CPU
+ * implementations in csrc/.
+ *
+ * Conventions (ARCHITECTURE.md): plain C types only; raw pointers (device pointers for the CUDA
+ * entry points); strides in elements; a caller-owned workspace whose size comes from a query call;
+ * the stream as void* (a cudaStream_t); every entry point returns 0 on success or a nonzero status
+ * with a message from gvr_cuda_last_error(). Launchers validate nothing (gvr._C did), never
+ * allocate, never synchronize. */
+#ifndef GVR_KERNELS_H
+#define GVR_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GVR_ABI_VERSION 1
+
+/* Top-K method selector: AUTO picks the fastest exact path for (B, N, k, prediction present). */
+enum { GVR_TOPK_AUTO = 0, GVR_TOPK_GVR = 1, GVR_TOPK_RADIX = 2 };
+
+/* Exact decode-time Top-K of B rows of fp32 scores.
+ * Row b is scores[b*row_stride + 0 .. len_b), len_b = lengths ? clamp(lengths[b], 0, N) : N.
+ * Result row b (out[b*out_stride + 0 .. k)): min(k, len_b) distinct indices of the first min(k, len_b)
+ * elements of the total order (value descending, -0 == +0, -inf valid, NaN below -inf, ties to the
+ * lower index), then -1. With sorted != 0 they appear in that order; otherwise in an order that is
+ * deterministic but unspecified.
+ * prev (nullable): the previous step's Top-K, row b at prev[b*prev_stride + 0 .. Kp) (prev_stride 0
+ * broadcasts one row). A hint: any content (out of range, -1, duplicates) gives the same result. */
+typedef struct {
+    const float *scores;
+    int64_t row_stride;
+    int32_t B;
+    int32_t N;
+    const int32_t *lengths;
+    const int32_t *prev;
+    int64_t prev_stride;
+    int32_t Kp;
+    int32_t k;
+    int32_t sorted;
+    int32_t method;
+    int32_t *out;
+    int64_t out_stride;
+} gvr_topk_params;
+
+int gvr_cuda_abi_version(void);
+const char *gvr_cuda_last_error(void);
+/* Make device the calling thread's current device (the device of the buffers of the next call). */
+int gvr_cuda_set_device(int device);
+/* Wait for the stream's work (used only by the opt-in GVR_CHECK=1 validation and by tests). */
+int gvr_cuda_synchronize(void *stream);
+/* Copy n bytes from device to host, ordered on stream, and wait (GVR_CHECK=1 validation only). */
+int gvr_cuda_copy_to_host(void *dst, const void *src, size_t n, void *stream);
+
+/* Bytes of device workspace gvr_topk_decode needs for these parameters (0 today for every path:
+ * multi-CTA rows reduce through distributed shared memory). */
+size_t gvr_topk_decode_workspace_size(const gvr_topk_params *p);
+int gvr_topk_decode(const gvr_topk_params *p, void *workspace, size_t workspace_bytes, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
