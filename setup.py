@@ -86,9 +86,8 @@ class BuildExt(build_ext):
             say(False, "CUDA kernels skipped: no kernels/*.cu")
             return
         archs, gencode = cuda_gencode(os.environ.get("GVR_CUDA_ARCHS", "90a;100a"))
-        out_dir = os.path.join(self.build_lib, "gvr", "_lib")
-        if self.inplace:
-            out_dir = os.path.join(HERE, "gvr", "_lib")
+        # beside gvr._C, wherever this build puts it (build/lib... or the source tree for --inplace)
+        out_dir = os.path.join(os.path.dirname(os.path.abspath(self.get_ext_fullpath("gvr._C"))), "_lib")
         os.makedirs(out_dir, exist_ok=True)
         target = os.path.join(out_dir, "libgvr_cuda.so")
         cmd = [

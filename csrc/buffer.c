@@ -354,6 +354,9 @@ void gvr_view_release(gvr_view *v)
 {
     Py_CLEAR(v->array);
     if (v->managed) {
+        /* a deleter may run Python code (ctypes/cffi producers): keep a pending error intact */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
         if (v->versioned) {
             gvr_DLManagedTensorVersioned *m = v->managed;
             if (m->deleter)
@@ -364,5 +367,6 @@ void gvr_view_release(gvr_view *v)
                 m->deleter(m);
         }
         v->managed = NULL;
+        PyErr_Restore(et, ev, tb);
     }
 }

@@ -98,6 +98,9 @@ static int check_dtype(const gvr_view *v, gvr_dtype want)
 
 static int check_unit_inner(const gvr_view *v)
 {
+    for (int i = 0; i < v->ndim && i < GVR_VIEW_MAX_NDIM; i++)
+        if (v->shape[i] == 0)
+            return 0; /* no elements: strides are meaningless */
     if (v->ndim >= 1 && v->shape[v->ndim - 1] > 1 && v->strides[v->ndim - 1] != 1) {
         PyErr_Format(PyExc_ValueError, "'%s' must have unit stride along its last dimension, got stride %lld",
                      v->name, (long long)v->strides[v->ndim - 1]);
@@ -126,21 +129,33 @@ static intptr_t parse_stream(PyObject *o)
 }
 
 PyDoc_STRVAR(topk_doc,
-             "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream)\n--\n\n"
+             "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream, method)\n--\n\n"
              "Exact Top-K of each row of scores into out (int32). See gvr.topk_decode.");
 
 static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
-    static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", NULL};
+    static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", NULL};
     PyObject *o_scores, *o_k, *o_prev = Py_None, *o_len = Py_None, *o_out = Py_None, *o_sorted = Py_False,
                                  *o_stream = Py_None;
+    const char *method_s = "auto";
     gvr_view sc = {0}, pv = {0}, ln = {0}, ot = {0};
     int32_t *len_copy = NULL;
     PyObject *result = NULL, *own_out = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOO:topk_decode", kwlist, &o_scores, &o_k, &o_prev,
-                                     &o_len, &o_out, &o_sorted, &o_stream))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOs:topk_decode", kwlist, &o_scores, &o_k, &o_prev,
+                                     &o_len, &o_out, &o_sorted, &o_stream, &method_s))
         return NULL;
+    int method;
+    if (!strcmp(method_s, "auto"))
+        method = GVR_TOPK_AUTO;
+    else if (!strcmp(method_s, "gvr"))
+        method = GVR_TOPK_GVR;
+    else if (!strcmp(method_s, "radix"))
+        method = GVR_TOPK_RADIX;
+    else {
+        PyErr_Format(PyExc_ValueError, "'method' must be 'auto', 'gvr' or 'radix', got '%s'", method_s);
+        return NULL;
+    }
     intptr_t stream = parse_stream(o_stream);
     if (stream == -1 && PyErr_Occurred())
         return NULL;
@@ -271,7 +286,7 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     p.Kp = (int32_t)Kp;
     p.k = (int32_t)k;
     p.sorted = sorted;
-    p.method = GVR_TOPK_AUTO;
+    p.method = method;
     p.out = (int32_t *)ot.data;
     p.out_stride = out_stride;
 
@@ -335,6 +350,15 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
                         goto fail;
                     }
             }
+        }
+        if (sorted && k > 4096) {
+            PyErr_Format(PyExc_ValueError, "'sorted=True' on CUDA supports k <= 4096, got k = %zd", k);
+            goto fail;
+        }
+        if (N > 524288) {
+            PyErr_Format(PyExc_ValueError, "'scores' rows longer than 524288 are not supported on CUDA yet, got N = %lld",
+                         (long long)N);
+            goto fail;
         }
         int rc;
         if (cu->set_device(sc.device_id)) {

@@ -1,13 +1,15 @@
 """gvr: exact, fast decode-step operators for sparse-attention LLMs, with a C/CUDA core.
 
 gvr.topk_decode  exact Top-K of indexer scores, warm-started by the previous step's Top-K (GVR)
+gvr.TopKDecoder  per-layer decode-loop state (previous Top-K buffers), CUDA-graph friendly
 gvr.data         deterministic workload generators (decode traces, i.i.d., adversarial rows)
 """
 from . import _C
 from ._ops import topk_decode
+from .decoder import TopKDecoder
 
 __version__ = "0.1.0"
-__all__ = ["topk_decode", "cuda_available", "build_info", "set_num_threads", "get_num_threads"]
+__all__ = ["topk_decode", "TopKDecoder", "cuda_available", "build_info", "set_num_threads", "get_num_threads"]
 
 
 def cuda_available() -> bool:

@@ -47,7 +47,7 @@ def _prepare(x, fw):
     return x
 
 
-def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=False, stream=None):
+def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=False, stream=None, method="auto"):
     """Exact Top-K of each row of ``scores``, warm-started by the previous decode step's Top-K.
 
     scores:    float32 ``[B, N]`` (or ``[N]``); unit stride along N, any row stride.
@@ -59,6 +59,8 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
     sorted:    order each row by descending value, ties by ascending index.
     stream:    CUDA stream for CUDA inputs (int handle or a torch/CuPy stream); defaults to torch's or
                CuPy's current stream.
+    method:    CUDA path: "auto" (fastest exact path for the shape and hint), "gvr" or "radix".
+               Every method gives the same result; the CPU has one implementation.
 
     Returns int32 indices: per row, the min(k, length) first elements of the order (value
     descending, -inf valid, NaN below -inf, -0.0 == +0.0, ties to the lower index), then -1.
@@ -91,4 +93,4 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
                 import cupy
 
                 stream = cupy.cuda.get_current_stream().ptr
-    return _C.topk_decode(scores, k, prev_topk, lengths, out, bool(sorted), stream)
+    return _C.topk_decode(scores, k, prev_topk, lengths, out, bool(sorted), stream, method)

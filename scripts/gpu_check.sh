@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build for the chip present, GPU tests, compute-sanitizer, benchmark.
+# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|full]
+set -u -o pipefail
+OUT=${OUT:-/tmp/gvr_out}; mkdir -p "$OUT"
+mode=${1:-full}
+export PYTHONUNBUFFERED=1 GVR_CUDA_ARCHS=${GVR_CUDA_ARCHS:-90a} GVR_REQUIRE_CUDA=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+python3 -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; echo "pip exit $?"
+grep -E "gvr build: [✓✗]|rror" "$OUT/build.log" | head -20
+(cd /tmp && python3 -c "import gvr; print(gvr.__file__, gvr.build_info())") | tee -a "$OUT/build.log" || exit 1
+cd tests
+timeout 400 python3 -m pytest -x -q -p no:cacheprovider test_topk_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+cd ..
+if [ "$mode" != "quick" ]; then
+  for tool in memcheck racecheck synccheck; do
+    (cd /tmp && timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$OLDPWD/scripts/sanitize_case.py") > "$OUT/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
+  done
+fi
+if [ -f benchmarks/bench_topk.py ] && [ "$mode" = "full" ]; then
+  timeout 300 python3 benchmarks/bench_topk.py --device cuda --out "$OUT/bench_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log" | tail -60
+else
+  (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee "$OUT/quick_bench.log"
+fi

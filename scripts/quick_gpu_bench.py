@@ -1,0 +1,40 @@
+"""Quick CUDA timing of topk_decode paths (CUDA graphs of 20 calls, warm L2), for kernel iteration."""
+import sys
+import numpy as np
+import torch
+import gvr
+from gvr import data
+
+k = 2048
+def timeit(fn, reps=20, iters=5):
+    fn(); torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(reps):
+                fn()
+    torch.cuda.current_stream().wait_stream(s)
+    ts = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+        e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1000 / reps)
+    return float(np.median(ts))
+
+print(torch.cuda.get_device_name())
+for N in (4096, 16384, 65536, 131072, 262144):
+    for ov in (0.45, 0.02):
+        tr = list(data.decode_trace(N, 2, k=k, overlap=ov, seed=1))
+        x0, x1 = tr[0][:N], tr[1][:N]
+        prev = torch.from_numpy(gvr.topk_decode(x0, k)).cuda()
+        for B in (1, 64):
+            xg = torch.from_numpy(np.tile(x1, (B, 1))).cuda()
+            pb = prev.expand(B, k).contiguous()
+            out = torch.empty((B, k), dtype=torch.int32, device="cuda")
+            t_pred = timeit(lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out))
+            t_nop = timeit(lambda: gvr.topk_decode(xg, k, out=out, method="gvr"))
+            t_rad = timeit(lambda: gvr.topk_decode(xg, k, out=out, method="radix"))
+            t_torch = timeit(lambda: torch.topk(xg, k, dim=-1, sorted=False))
+            print(f"N={N:7d} ov={ov:.2f} B={B:3d}  gvr+prev {t_pred:7.2f}  gvr-noprev {t_nop:7.2f}  radix {t_rad:7.2f}  torch {t_torch:7.2f} us", flush=True)

@@ -1,0 +1,221 @@
+"""GPU tests for gvr.topk_decode: the CUDA kernels against the C CPU implementation.
+
+Every result is compared with the CPU path of gvr (itself checked against NumPy in
+test_topk_cpu.py): identical index sets per row; identical order when sorted=True. Skipped, with the
+reason, when torch with a CUDA device or gvr's CUDA library is missing.
+"""
+import numpy as np
+import pytest
+
+import gvr
+from gvr import data
+
+torch = pytest.importorskip("torch", reason="GPU tests use torch tensors")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+if not gvr.cuda_available():
+    pytest.skip(f"gvr's CUDA library is not available: {gvr.build_info()['cuda_error']}", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+METHODS = ("auto", "gvr", "radix")
+
+
+def cpu_result(x, k, lengths=None, sorted=False):
+    return gvr.topk_decode(np.ascontiguousarray(x), k, lengths=lengths, sorted=sorted)
+
+
+def assert_same_sets(got, want, what=""):
+    got = np.asarray(got)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if got.size == 0:
+        return
+    g = np.sort(got.reshape(-1, got.shape[-1]), axis=1)
+    w = np.sort(want.reshape(-1, want.shape[-1]), axis=1)
+    bad = np.nonzero((g != w).any(axis=1))[0]
+    if bad.size:
+        r = bad[0]
+        diff = np.setxor1d(g[r], w[r])
+        raise AssertionError(f"{what}: rows {bad[:10]} differ; row {r}: symmetric difference {diff[:20]}")
+
+
+def gpu(x):
+    return torch.from_numpy(np.ascontiguousarray(x)).cuda()
+
+
+def rows(gen, B, N, seed):
+    if gen == "normal":
+        return data.iid_scores(B, N, dist="normal", seed=seed)
+    if gen == "uniform":
+        return data.iid_scores(B, N, dist="uniform", seed=seed)
+    return np.stack([data.adversarial(gen, N, k=min(2048, max(N - 1, 1)), seed=seed + b) for b in range(B)])
+
+
+GENS = ("normal", "uniform") + tuple(data.ADVERSARIAL_KINDS)
+SIZES = (1, 2, 19, 97, 1025, 4097, 65537, 131071)
+
+
+@pytest.mark.parametrize("N", SIZES)
+@pytest.mark.parametrize("gen", GENS)
+def test_generators_sizes(gen, N):
+    x = rows(gen, 3, N, seed=N)
+    xg = gpu(x)
+    for k in sorted({0, 1, 7, 2048, max(N - 1, 0), N, N + 5}):
+        want = cpu_result(x, k)
+        for m in METHODS:
+            got = gvr.topk_decode(xg, k, method=m)
+            assert got.dtype == torch.int32 and got.is_cuda
+            assert_same_sets(got.cpu().numpy(), want, f"{gen} N={N} k={k} {m}")
+
+
+@pytest.mark.parametrize("B", (1, 3, 64, 257))
+@pytest.mark.parametrize("N", (4097, 65537, 131072, 262144))
+def test_batches_ragged_strided(B, N):
+    rng = np.random.default_rng(B * 7 + N)
+    big = rng.standard_normal((B, N + 64)).astype(np.float32)
+    big[:, :: 97] = -np.inf
+    lengths = data.ragged_lengths(B, N, seed=B).astype(np.int32)
+    xg_big = gpu(big)
+    xg = xg_big[:, 3 : N + 3]  # row-strided, unaligned rows: no copy
+    x = big[:, 3 : N + 3]
+    for k in (1, 2048):
+        want = cpu_result(x, k, lengths=lengths)
+        for m in METHODS:
+            got = gvr.topk_decode(xg, k, lengths=gpu(lengths), method=m)
+            assert_same_sets(got.cpu().numpy(), want, f"B={B} N={N} k={k} {m}")
+        prev = gpu(want)
+        got = gvr.topk_decode(xg, k, lengths=gpu(lengths), prev_topk=prev)
+        assert_same_sets(got.cpu().numpy(), want, f"B={B} N={N} k={k} exact prev")
+
+
+@pytest.mark.parametrize("overlap", (0.45, 0.02))
+@pytest.mark.parametrize("N", (32768, 131072))
+def test_decode_trace_prev_kinds(N, overlap):
+    k = 2048
+    steps = list(data.decode_trace(N, 3, k=k, overlap=overlap, seed=1))
+    prev_cpu = None
+    rng = np.random.default_rng(0)
+    for t, row in enumerate(steps):
+        want = cpu_result(row, k)
+        kinds = {
+            "none": None,
+            "empty": np.zeros(0, np.int32),
+            "all_minus1": np.full(k, -1, np.int32),
+            "out_of_range": rng.integers(-(2**31), 2**31 - 1, k).astype(np.int32),
+            "duplicated": np.full(k, int(want[0]), np.int32),
+            "random": rng.integers(0, len(row), k).astype(np.int32),
+            "exact": want.copy(),
+        }
+        if prev_cpu is not None:
+            kinds["previous_step"] = prev_cpu
+        xg = gpu(row)
+        for name, p in kinds.items():
+            pg = None if p is None else gpu(p)
+            for m in METHODS:
+                got = gvr.topk_decode(xg, k, prev_topk=pg, method=m)
+                assert_same_sets(got.cpu().numpy()[None], want[None], f"step {t} prev={name} {m}")
+        prev_cpu = want
+
+
+def test_sorted_matches_cpu_order():
+    for gen in ("normal", "few_distinct", "ties_at_kth", "nan_heavy", "signed_zeros", "all_equal"):
+        x = rows(gen, 4, 70001, seed=3)
+        lengths = np.array([70001, 5, 0, 40000], np.int32)
+        for k in (1, 7, 2048, 4096):
+            want = cpu_result(x, k, lengths=lengths, sorted=True)
+            for m in METHODS:
+                got = gvr.topk_decode(gpu(x), k, lengths=gpu(lengths), sorted=True, method=m).cpu().numpy()
+                assert np.array_equal(got, want), (gen, k, m)
+
+
+def test_one_d_out_and_streams():
+    x = data.iid_scores(1, 50000, seed=5)[0]
+    want = cpu_result(x, 100)
+    xg = gpu(x)
+    out = torch.full((100,), 7, dtype=torch.int32, device="cuda")
+    r = gvr.topk_decode(xg, 100, out=out)
+    assert r is out and r.shape == (100,)
+    assert_same_sets(r.cpu().numpy()[None], want[None])
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        big = torch.from_numpy(x).to("cuda", non_blocking=False)
+        r2 = gvr.topk_decode(big * 1.0, 100)  # producer work pending on s
+    s.synchronize()
+    assert_same_sets(r2.cpu().numpy()[None], want[None], "non-default stream")
+    r3 = gvr.topk_decode(xg, 100, stream=s)
+    s.synchronize()
+    assert_same_sets(r3.cpu().numpy()[None], want[None], "stream=")
+
+
+def test_cupy_arrays():
+    cupy = pytest.importorskip("cupy")
+    x = data.iid_scores(3, 30000, seed=9)
+    want = cpu_result(x, 500)
+    got = gvr.topk_decode(cupy.asarray(x), 500)
+    assert isinstance(got, cupy.ndarray)
+    assert_same_sets(cupy.asnumpy(got), want, "cupy")
+
+
+def test_determinism_100_calls():
+    x = gpu(np.stack([data.adversarial("ties_at_kth", 131072, k=2048, seed=1), data.iid_scores(1, 131072)[0]]))
+    prev = gvr.topk_decode(x, 2048)
+    for m in METHODS:
+        first = gvr.topk_decode(x, 2048, prev_topk=prev, method=m).cpu()
+        for _ in range(100):
+            assert torch.equal(gvr.topk_decode(x, 2048, prev_topk=prev, method=m).cpu(), first)
+
+
+def test_mixed_devices_and_cuda_errors():
+    x = gpu(np.ones((2, 100), np.float32))
+    with pytest.raises(ValueError, match="out"):
+        gvr.topk_decode(x, 3, out=np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="prev_topk"):
+        gvr.topk_decode(x, 3, prev_topk=np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="sorted"):
+        gvr.topk_decode(x, 5000, sorted=True)
+
+
+def test_lengths_checked_with_gvr_check(monkeypatch):
+    x = gpu(np.ones((2, 100), np.float32))
+    bad = gpu(np.array([5, 101], np.int32))
+    r = gvr.topk_decode(x, 3, lengths=bad)  # clamped on the GPU, no sync
+    assert r.shape == (2, 3)
+    monkeypatch.setenv("GVR_CHECK", "1")
+    with pytest.raises(ValueError, match="lengths"):
+        gvr.topk_decode(x, 3, lengths=bad)
+
+
+def test_decoder_cuda_graph_replay_matches_eager():
+    layers, B, N, k, steps = 2, 3, 32768, 256, 100
+    trace = data.decode_trace_batch(B, N, 4, k=k, overlap=0.45, seed=2)
+    xs = [gpu(t[:, :N]) for t in trace]  # fixed shape for the graph
+    static_x = torch.empty_like(xs[0])
+
+    eager = gvr.TopKDecoder(layers, B, k, device="cuda")
+    eager_out = []
+    for s in range(steps):
+        static_x.copy_(xs[s % len(xs)])
+        eager_out.append([eager(layer, static_x).clone() for layer in range(layers)])
+
+    dec = gvr.TopKDecoder(layers, B, k, device="cuda")
+    static_x.copy_(xs[0])
+    for layer in range(layers):  # step 0 eagerly (no prediction yet)
+        dec(layer, static_x)
+    g = torch.cuda.CUDAGraph()
+    captured = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g, stream=stream):
+            for s in range(1, steps):
+                static_x.copy_(xs[s % len(xs)])
+                captured.append([dec(layer, static_x) for layer in range(layers)])
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    torch.cuda.synchronize()
+    # the last two steps' buffers hold the replayed results of steps 98 and 99
+    for s in (steps - 2, steps - 1):
+        for layer in range(layers):
+            assert_same_sets(captured[s - 1][layer].cpu().numpy(), eager_out[s][layer].cpu().numpy(), f"step {s}")
+    last = eager_out[-1][0].cpu().numpy()
+    want = cpu_result(xs[(steps - 1) % len(xs)].cpu().numpy(), k)
+    assert_same_sets(last, want, "eager decoder vs CPU")
