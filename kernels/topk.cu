@@ -48,13 +48,36 @@ constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
 constexpr int G = 64;                 /* GVR bin edges per round */
 constexpr int RADIX_BINS = 2048;      /* widest digit */
-constexpr int MAX_PRED = 8192;        /* prediction entries read (a hint: a prefix is enough) */
+constexpr int MAX_PRED = 4096;        /* prediction entries read (a hint: a prefix is enough) */
+constexpr int PRED_PER_THREAD = MAX_PRED / THREADS;
 constexpr int SAMPLE = 1024;          /* strided sample without a prediction */
 /* stored keys: -inf is 0x00800000, NaN 1, positions past the row 0 */
 constexpr uint32_t KEY_POS_INF = 0xFF800001u;
 constexpr uint32_t KEY_END = 0xFF800002u;     /* above every stored key */
 
 thread_local char g_last_error[512] = "no error";
+
+#ifdef GVR_PROFILE
+/* Debug builds only (-DGVR_PROFILE): clock64 stamps of row 0, rank 0, thread 0 at phase ends. */
+__device__ long long g_prof[64];
+__device__ int g_nprof;
+#define PROF_RESET()                                                                                  \
+    do {                                                                                              \
+        if (blockIdx.x == 0 && threadIdx.x == 0)                                                      \
+            g_nprof = 0;                                                                              \
+    } while (0)
+#define PROF(tag)                                                                                     \
+    do {                                                                                              \
+        if (blockIdx.x == 0 && threadIdx.x == 0 && g_nprof < 62) {                                    \
+            g_prof[g_nprof] = clock64() * 100 + (tag);                                                \
+            g_nprof++;                                                                                \
+            g_prof[63] = g_nprof;                                                                     \
+        }                                                                                             \
+    } while (0)
+#else
+#define PROF(tag) ((void)0)
+#define PROF_RESET() ((void)0)
+#endif
 
 int set_error(const char *what, cudaError_t e)
 {
@@ -90,6 +113,8 @@ struct Shared {
     int pub[2][4];                 /* per-CTA values published to the cluster */
     float red[WARPS][4];           /* block reduction scratch */
     int state_i[4];
+    uint32_t iv_u[2];              /* GVR: the interval after a round, from warp 0 */
+    int iv_i[3];
     float stats[4];
     typename cub::BlockScan<int, THREADS>::TempStorage scan;
 };
@@ -154,7 +179,8 @@ struct RowTile {
 
     __device__ __forceinline__ int index(int j, int l) const { return base + (j * THREADS + (int)threadIdx.x) * 4 + l; }
 
-    __device__ void load(const float *row, int len, int rank)
+    /* Issue the row's loads (raw bits into key[]); convert() turns them into stored keys. */
+    __device__ __forceinline__ void load_raw(const float *row, int len, int rank)
     {
         L = len;
         base = rank * P;
@@ -164,16 +190,25 @@ struct RowTile {
             const int i = index(j, 0);
             if (vec_ok && i + 3 < len) {
                 const float4 v = __ldg(reinterpret_cast<const float4 *>(row + i));
-                key[4 * j + 0] = stored_key(v.x);
-                key[4 * j + 1] = stored_key(v.y);
-                key[4 * j + 2] = stored_key(v.z);
-                key[4 * j + 3] = stored_key(v.w);
+                key[4 * j + 0] = __float_as_uint(v.x);
+                key[4 * j + 1] = __float_as_uint(v.y);
+                key[4 * j + 2] = __float_as_uint(v.z);
+                key[4 * j + 3] = __float_as_uint(v.w);
             } else {
 #pragma unroll
                 for (int l = 0; l < 4; l++)
-                    key[4 * j + l] = (i + l < len) ? stored_key(__ldg(row + i + l)) : 0u;
+                    key[4 * j + l] = (i + l < len) ? __float_as_uint(__ldg(row + i + l)) : 0u;
             }
         }
+    }
+
+    __device__ __forceinline__ void convert()
+    {
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+#pragma unroll
+            for (int l = 0; l < 4; l++)
+                key[4 * j + l] = index(j, l) < L ? stored_key(__uint_as_float(key[4 * j + l])) : 0u;
     }
 };
 
@@ -192,68 +227,32 @@ __device__ __forceinline__ void pick_bin(Shared &s, const Interval &iv, int kk, 
     }
 }
 
-/* One round: histogram the elements whose (pseudo-)key lies in [a, z) into nb bins given by bin(),
- * sum over the cluster, and narrow [a, z) to the bin holding the kk-th largest. GVR rounds (nb =
- * G + 1) do not count bin 0 (below the first edge, most elements): its total follows from c(a).
- * keyf(j, l) gives an element's (pseudo-)key, lo_of(b) the first key of bin b. s.hist[par] must be
- * zero on entry; the other buffer is zeroed here for the next round. */
+/* One radix round: histogram the elements whose key lies in [a, z) into nb digit bins given by
+ * bin(), sum over the cluster (reduce-scatter, then gather), and narrow [a, z) to the bin holding the
+ * kk-th largest. keyf(j, l) gives an element's key, lo_of(b) the first key of bin b. s.hist[par]
+ * must be zero on entry; the other buffer is zeroed here for the next round. */
 template <int C, int VEC, class KeyF, class BinF, class LoF>
 __device__ void round_step(Shared &s, int &par, Interval &iv, int kk, int nb, KeyF keyf, BinF bin, LoF lo_of)
 {
-    const bool gvr_bins = nb == G + 1;
-    const uint32_t first_edge = gvr_bins ? s.edges[0] : iv.a;
     int *h = s.hist[par];
 #pragma unroll
     for (int j = 0; j < VEC; j++)
 #pragma unroll
         for (int l = 0; l < 4; l++) {
             const uint32_t k = keyf(j, l);
-            if (k >= first_edge && k >= iv.a && k < iv.z)
+            if (k >= iv.a && k < iv.z)
                 atomicAdd(&h[bin(k)], 1);
         }
+    PROF(20);
     cluster_barrier<C>();
+    PROF(21);
     {
         int *hn = s.hist[par ^ 1]; /* last read by the cluster before the barrier above */
         for (int i = threadIdx.x; i < RADIX_BINS; i += THREADS)
             hn[i] = 0;
     }
     int total_ge1; /* elements in bins >= 1 */
-    if (gvr_bins) {
-        for (int i = threadIdx.x; i < C * (G + 1); i += THREADS)
-            s.gath[i / (G + 1)][i % (G + 1)] = remote<C>(h, i / (G + 1))[i % (G + 1)];
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            /* warp 0: lane owns descending positions 3*lane .. 3*lane+2 */
-            const int lane = threadIdx.x;
-            int cnt[3], sum = 0;
-#pragma unroll
-            for (int i = 0; i < 3; i++) {
-                const int b = G - (3 * lane + i);
-                int t = 0;
-                if (b >= 1)
-                    for (int r = 0; r < C; r++)
-                        t += s.gath[r][b];
-                cnt[i] = t;
-                sum += t;
-            }
-            int scan = sum;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xFFFFFFFFu, scan, o);
-                if (lane >= o)
-                    scan += y;
-            }
-            const int total = __shfl_sync(0xFFFFFFFFu, scan, 31);
-            int incl = scan - sum;
-#pragma unroll
-            for (int i = 0; i < 3; i++) {
-                incl += cnt[i];
-                pick_bin(s, iv, kk, G - (3 * lane + i), incl, cnt[i]);
-            }
-            if (lane == 0)
-                s.state_i[3] = total;
-        }
-    } else {
+    {
         /* radix: reduce-scatter (CTA r sums its slice of bins over the cluster), then gather */
         const int per = nb / C;
         if constexpr (C > 1) {
@@ -288,7 +287,9 @@ __device__ void round_step(Shared &s, int &par, Interval &iv, int kk, int nb, Ke
         if (threadIdx.x == 0)
             s.state_i[3] = total;
     }
+    PROF(23);
     __syncthreads();
+    PROF(24);
     total_ge1 = s.state_i[3];
     int chosen, Sb, Sb1;
     if (iv.cz + total_ge1 < kk) {
@@ -308,85 +309,222 @@ __device__ void round_step(Shared &s, int &par, Interval &iv, int kk, int nb, Ke
     iv.cz = Sb1;
     iv.done = Sb == kk;
     par ^= 1;
-    /* state_i and edges are rewritten only after the next round's cluster barrier / sync */
+    /* state_i is rewritten only after the next round's cluster barrier */
 }
 
-/* GVR bin edges for [a, z): GC concentrated where the secant puts the kk-th count (or around a
- * given center and spread in the first round), GK evenly spaced keys. Each list is increasing in
- * g, so the sorted edges are their merge: thread g finds its rank by binary search in the other
- * list. */
-__device__ void make_edges(Shared &s, const Interval &iv, int kk, bool first, float center, float spread)
+/* Edge g of a GVR round for [a, z): g < GC concentrated where the secant puts the kk-th count
+ * (around center +- spread in the first round), g >= GC evenly spaced keys; strictly inside (a, z). */
+__device__ __forceinline__ uint32_t edge_value(const Interval &iv, int kk, bool first, float center, float spread,
+                                               int g)
 {
     constexpr int GC = 48, GK = G - GC;
     const uint64_t width = (uint64_t)iv.z - (uint64_t)iv.a; /* >= 2 here */
-    uint32_t e = 0;
-    const int g = threadIdx.x;
-    if (g < G) {
-        if (width - 1 <= (uint64_t)G) {
-            const uint64_t v = (uint64_t)iv.a + 1 + (uint64_t)g; /* every interior key */
-            e = (uint32_t)(v < iv.z ? v : iv.z - 1);
-        } else if (g >= GC) {
-            e = (uint32_t)((uint64_t)iv.a + width * (uint64_t)(g - GC + 1) / (uint64_t)(GK + 1));
+    uint32_t e;
+    if (width - 1 <= (uint64_t)G) {
+        const uint64_t v = (uint64_t)iv.a + 1 + (uint64_t)g; /* every interior key */
+        e = (uint32_t)(v < iv.z ? v : iv.z - 1);
+    } else if (g >= GC) {
+        e = (uint32_t)((uint64_t)iv.a + width * (uint64_t)(g - GC + 1) / (uint64_t)(GK + 1));
+    } else {
+        float lo_v, hi_v;
+        bool ok;
+        if (first) {
+            lo_v = center - spread;
+            hi_v = center + spread;
+            ok = isfinite(lo_v) && isfinite(hi_v) && hi_v > lo_v;
         } else {
-            float lo_v, hi_v;
-            bool ok;
-            if (first) {
-                lo_v = center - spread;
-                hi_v = center + spread;
-                ok = isfinite(lo_v) && isfinite(hi_v) && hi_v > lo_v;
-            } else {
-                ok = iv.a >= 2u && iv.a <= KEY_POS_INF && iv.z <= KEY_POS_INF && iv.z > iv.a;
-                const float va = ok ? key_value(iv.a) : 0.f, vz = ok ? key_value(iv.z) : 0.f;
-                ok = ok && isfinite(va) && isfinite(vz) && vz > va;
-                /* secant: where a linear count(value) between the bracket ends reaches kk */
-                const float f = (float)(iv.ca - kk) / (float)max(iv.ca - iv.cz, 1);
-                const float c_v = va + f * (vz - va), half = 0.25f * (vz - va);
-                lo_v = fmaxf(va, c_v - half);
-                hi_v = fminf(vz, c_v + half);
-                ok = ok && hi_v > lo_v;
-            }
-            if (ok)
-                e = stored_key(lo_v + (hi_v - lo_v) * ((float)g + 0.5f) / (float)GC);
-            else
-                e = (uint32_t)((uint64_t)iv.a + width * (uint64_t)(g + 1) / (uint64_t)(GC + 1));
+            ok = iv.a >= 2u && iv.a <= KEY_POS_INF && iv.z <= KEY_POS_INF && iv.z > iv.a;
+            const float va = ok ? key_value(iv.a) : 0.f, vz = ok ? key_value(iv.z) : 0.f;
+            ok = ok && isfinite(va) && isfinite(vz) && vz > va;
+            /* secant: where a linear count(value) between the bracket ends reaches kk */
+            const float f = (float)(iv.ca - kk) / (float)max(iv.ca - iv.cz, 1);
+            const float c_v = va + f * (vz - va), half = 0.25f * (vz - va);
+            lo_v = fmaxf(va, c_v - half);
+            hi_v = fminf(vz, c_v + half);
+            ok = ok && hi_v > lo_v;
         }
-        if (e <= iv.a)
-            e = iv.a + 1;
-        if (e >= iv.z)
-            e = iv.z - 1;
-        s.edge_tmp[g] = e;
+        if (ok)
+            e = stored_key(lo_v + (hi_v - lo_v) * ((float)g + 0.5f) / (float)GC);
+        else
+            e = (uint32_t)((uint64_t)iv.a + width * (uint64_t)(g + 1) / (uint64_t)(GC + 1));
     }
-    __syncthreads();
-    if (g < G) {
-        /* list A = [0, GC), list B = [GC, G); ties: A before B */
-        const bool inA = g < GC;
-        const int lo0 = inA ? GC : 0, n = inA ? GK : GC;
-        int lo = 0, hi = n;
-        while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            const uint32_t o = s.edge_tmp[lo0 + mid];
-            if (inA ? (o < e) : (o <= e))
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        s.edges[(inA ? g : g - GC) + lo] = e;
-    }
-    __syncthreads();
+    if (e <= iv.a)
+        e = iv.a + 1;
+    if (e >= iv.z)
+        e = iv.z - 1;
+    return e;
 }
 
-/* #{edges <= k}: bin of key k among sorted edges (bin 0: below the first edge) */
-__device__ __forceinline__ int edge_bin(const uint32_t *edges, uint32_t k)
+/* Warp-wide: the G edges of a round, sorted ascending by a bitonic network in registers; lane holds
+ * edges lane (e0) and lane + 32 (e1). */
+__device__ __forceinline__ void warp_edges(const Interval &iv, int kk, bool first, float center, float spread,
+                                           uint32_t &e0, uint32_t &e1)
 {
-    int lo = 0, hi = G; /* answer in [0, G] */
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (edges[mid] <= k)
-            lo = mid + 1;
-        else
-            hi = mid;
+    const int lane = threadIdx.x & 31;
+    e0 = edge_value(iv, kk, first, center, spread, lane);
+    e1 = edge_value(iv, kk, first, center, spread, lane + 32);
+#pragma unroll
+    for (int k = 2; k <= 64; k <<= 1)
+#pragma unroll
+        for (int d = k >> 1; d > 0; d >>= 1) {
+            if (d == 32) {
+                const uint32_t lo = min(e0, e1), hi = max(e0, e1);
+                e0 = lo;
+                e1 = hi;
+            } else {
+                const uint32_t p0 = __shfl_xor_sync(0xFFFFFFFFu, e0, d), p1 = __shfl_xor_sync(0xFFFFFFFFu, e1, d);
+                const bool lower = (lane & d) == 0;
+                const bool asc0 = (lane & k) == 0, asc1 = ((lane + 32) & k) == 0;
+                e0 = (lower == asc0) ? min(e0, p0) : max(e0, p0);
+                e1 = (lower == asc1) ? min(e1, p1) : max(e1, p1);
+            }
+        }
+}
+
+/* GVR rounds on [a, z) until it is one key or a boundary count equals kk. Bins are the G + 1 gaps of
+ * the sorted edges; bin 0 (below the first edge, most elements) is not counted: its total follows
+ * from c(a). Elements in bins >= 1 (few) are binned warp-cooperatively: one ballot over the edges
+ * held in registers, no per-thread search. Warp 0 sums the cluster's histograms, picks the bin,
+ * and prepares the next round's edges; one block barrier publishes them. */
+template <int C, int VEC, class KeyF>
+__device__ Interval gvr_search(Shared &s, int &par, Interval iv, int kk, bool first, float center, float spread,
+                               KeyF keyf)
+{
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) {
+        uint32_t e0, e1;
+        warp_edges(iv, kk, first, center, spread, e0, e1);
+        s.edges[lane] = e0;
+        s.edges[lane + 32] = e1;
     }
-    return lo;
+    __syncthreads();
+    PROF(2);
+    while (!iv.done && iv.z - iv.a > 1) {
+        const uint32_t e0 = s.edges[lane], e1 = s.edges[lane + 32];
+        const uint32_t lo = s.edges[0] > iv.a ? s.edges[0] : iv.a;
+        int *h = s.hist[par];
+        int c0 = 0, c1 = 0, c2 = 0;
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+#pragma unroll
+            for (int l = 0; l < 4; l++) {
+                const uint32_t k = keyf(j, l);
+                unsigned m = __ballot_sync(0xFFFFFFFFu, k >= lo && k < iv.z);
+                while (m) {
+                    const int src = __ffs(m) - 1;
+                    m &= m - 1;
+                    const uint32_t kb = __shfl_sync(0xFFFFFFFFu, k, src);
+                    const int b = __popc(__ballot_sync(0xFFFFFFFFu, e0 <= kb)) +
+                                  __popc(__ballot_sync(0xFFFFFFFFu, e1 <= kb)); /* in [1, G] */
+                    c0 += b == lane;
+                    c1 += b == lane + 32;
+                    c2 += b == G && lane == 0;
+                }
+            }
+        if (c0)
+            atomicAdd(&h[lane], c0);
+        if (c1)
+            atomicAdd(&h[lane + 32], c1);
+        if (c2)
+            atomicAdd(&h[G], c2);
+        PROF(20);
+        cluster_barrier<C>();
+        PROF(21);
+        {
+            int *hn = s.hist[par ^ 1]; /* last read by the cluster before the barrier above */
+            for (int i = threadIdx.x; i < RADIX_BINS; i += THREADS)
+                hn[i] = 0;
+        }
+        if constexpr (C > 1) {
+            for (int i = threadIdx.x; i < C * (G + 1); i += THREADS)
+                s.gath[i / (G + 1)][i % (G + 1)] = remote<C>(h, i / (G + 1))[i % (G + 1)];
+            __syncthreads();
+        }
+        if (threadIdx.x < 32) {
+            /* lane owns descending bins G - 3*lane - i, i < 3 (bins >= 1 only) */
+            int cnt[3], sum = 0;
+#pragma unroll
+            for (int i = 0; i < 3; i++) {
+                const int b = G - (3 * lane + i);
+                int t = 0;
+                if (b >= 1) {
+                    if constexpr (C > 1) {
+                        for (int r = 0; r < C; r++)
+                            t += s.gath[r][b];
+                    } else {
+                        t = h[b];
+                    }
+                }
+                cnt[i] = t;
+                sum += t;
+            }
+            int scan = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xFFFFFFFFu, scan, o);
+                if (lane >= o)
+                    scan += y;
+            }
+            const int total = __shfl_sync(0xFFFFFFFFu, scan, 31);
+            int incl = scan - sum, wb = -1, wS = 0, wS1 = 0;
+#pragma unroll
+            for (int i = 0; i < 3; i++) {
+                incl += cnt[i];
+                const int b = G - (3 * lane + i);
+                const int Sb = iv.cz + incl, Sb1 = Sb - cnt[i];
+                if (b >= 1 && Sb >= kk && Sb1 < kk) {
+                    wb = b;
+                    wS = Sb;
+                    wS1 = Sb1;
+                }
+            }
+            const unsigned win = __ballot_sync(0xFFFFFFFFu, wb >= 0);
+            int chosen, Sb, Sb1;
+            if (iv.cz + total < kk || !win) {
+                chosen = 0;
+                Sb = iv.ca;
+                Sb1 = iv.cz + total;
+            } else {
+                const int src = __ffs(win) - 1;
+                chosen = __shfl_sync(0xFFFFFFFFu, wb, src);
+                Sb = __shfl_sync(0xFFFFFFFFu, wS, src);
+                Sb1 = __shfl_sync(0xFFFFFFFFu, wS1, src);
+            }
+            /* bin b covers [edge[b-1], edge[b]) */
+            const int ia = chosen - 1, iz = chosen;
+            const uint32_t xa0 = __shfl_sync(0xFFFFFFFFu, e0, ia & 31), xa1 = __shfl_sync(0xFFFFFFFFu, e1, ia & 31);
+            const uint32_t xz0 = __shfl_sync(0xFFFFFFFFu, e0, iz & 31), xz1 = __shfl_sync(0xFFFFFFFFu, e1, iz & 31);
+            Interval nv;
+            nv.a = chosen == 0 ? iv.a : (ia >= 32 ? xa1 : xa0);
+            nv.z = chosen == G ? iv.z : (iz >= 32 ? xz1 : xz0);
+            nv.ca = Sb;
+            nv.cz = Sb1;
+            nv.done = Sb == kk;
+            if (!nv.done && nv.z - nv.a > 1) {
+                uint32_t n0, n1;
+                warp_edges(nv, kk, false, 0.f, 0.f, n0, n1);
+                s.edges[lane] = n0;
+                s.edges[lane + 32] = n1;
+            }
+            if (lane == 0) {
+                s.iv_u[0] = nv.a;
+                s.iv_u[1] = nv.z;
+                s.iv_i[0] = nv.ca;
+                s.iv_i[1] = nv.cz;
+                s.iv_i[2] = nv.done;
+            }
+        }
+        PROF(23);
+        __syncthreads();
+        PROF(24);
+        iv.a = s.iv_u[0];
+        iv.z = s.iv_u[1];
+        iv.ca = s.iv_i[0];
+        iv.cz = s.iv_i[1];
+        iv.done = s.iv_i[2];
+        par ^= 1;
+    }
+    return iv;
 }
 
 template <int C, int VEC>
@@ -415,11 +553,34 @@ __global__ void __launch_bounds__(THREADS, 1)
         return;
     const float *xr = scores + (long long)row * row_stride;
 
+    PROF_RESET();
+    PROF(0);
+    const bool use_gvr = method != GVR_TOPK_RADIX && kk < L;
+    /* Phase 1 loads first (prediction indices, then the scores there), the row's loads in between,
+     * so their latencies overlap. */
+    int pidx[PRED_PER_THREAD];
+    const int kp = prev ? (Kp < MAX_PRED ? Kp : MAX_PRED) : 0;
+    const int *pr = prev ? prev + (long long)row * prev_stride : nullptr;
+    if (use_gvr) {
+#pragma unroll
+        for (int i = 0; i < PRED_PER_THREAD; i++) {
+            const int j = threadIdx.x + i * THREADS;
+            pidx[i] = j < kp ? __ldg(pr + j) : -1;
+        }
+    }
     RowTile<C, VEC> tile;
-    tile.load(xr, L, rank);
+    tile.load_raw(xr, L, rank);
+    float pval[PRED_PER_THREAD];
+    if (use_gvr) {
+#pragma unroll
+        for (int i = 0; i < PRED_PER_THREAD; i++)
+            pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? __ldg(xr + pidx[i]) : __int_as_float(0x7FC00000);
+    }
+    tile.convert();
     for (int i = threadIdx.x; i < RADIX_BINS; i += THREADS)
         s.hist[0][i] = 0;
     __syncthreads();
+    PROF(1);
 
     Interval iv{1u, KEY_END, L, 0, 0};
     int par = 0;
@@ -429,7 +590,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (kk == L) {
         vsel = 0;
     } else {
-        if (method == GVR_TOPK_RADIX) {
+        if (!use_gvr) {
             int shift = 21, width = 11;
             for (int d = 0; d < 3 && !iv.done && iv.z - iv.a > 1; d++) {
                 const uint32_t base = (width + shift >= 32) ? 0u : (iv.a & ~((1u << (shift + width)) - 1u));
@@ -446,27 +607,23 @@ __global__ void __launch_bounds__(THREADS, 1)
                     });
                 shift = d == 0 ? 10 : 0;
                 width = d == 0 ? 11 : 10;
+                PROF(1);
             }
         } else {
-            /* Phase 1: statistics of the scores at the predicted indices (or a strided sample) */
+            /* Phase 1 (guess): mean and spread of the scores at the predicted indices */
             float st[4] = {0.f, 0.f, 0.f, 0.f}; /* n, sum, sum of squares, - */
-            const int kp = Kp < MAX_PRED ? Kp : MAX_PRED;
-            const int *pr = prev ? prev + (long long)row * prev_stride : nullptr;
-            for (int j = threadIdx.x; j < kp; j += THREADS) {
-                const int p = pr[j];
-                if (p >= 0 && p < L) {
-                    const float v = __ldg(xr + p);
-                    if (isfinite(v)) {
-                        st[0] += 1.f;
-                        st[1] += v;
-                        st[2] += v * v;
-                    }
+#pragma unroll
+            for (int i = 0; i < PRED_PER_THREAD; i++)
+                if (isfinite(pval[i])) {
+                    st[0] += 1.f;
+                    st[1] += pval[i];
+                    st[2] += pval[i] * pval[i];
                 }
-            }
             block_sum4(st, s);
-            bool predicted = st[0] >= 16.f;
+            const bool predicted = st[0] >= 16.f;
             float center, spread;
             if (!predicted) {
+                /* no usable prediction: a strided sample of the row */
                 const int m = L < SAMPLE ? L : SAMPLE;
                 st[0] = st[1] = st[2] = st[3] = 0.f;
                 for (int j = threadIdx.x; j < m; j += THREADS) {
@@ -482,6 +639,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             const float n = fmaxf(st[0], 1.f), mean = st[1] / n;
             const float sd = sqrtf(fmaxf(st[2] / n - mean * mean, 0.f));
             if (predicted) {
+                /* the previous Top-K straddles the current k-th value */
                 center = mean;
                 spread = 2.5f * sd;
             } else {
@@ -491,17 +649,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                 center = mean + sd * z;
                 spread = 1.5f * sd;
             }
-            bool first = true;
-            while (!iv.done && iv.z - iv.a > 1) {
-                make_edges(s, iv, kk, first, center, spread);
-                first = false;
-                const uint32_t *edges = s.edges;
-                const Interval cur = iv;
-                round_step<C, VEC>(
-                    s, par, iv, kk, G + 1, [&](int j, int l) { return tile.key[4 * j + l]; },
-                    [&](uint32_t key) { return edge_bin(edges, key); },
-                    [&](int b) { return b == 0 ? cur.a : (b == G + 1 ? cur.z : edges[b - 1]); });
-            }
+            PROF(1);
+            iv = gvr_search<C, VEC>(s, par, iv, kk, true, center, spread,
+                                    [&](int j, int l) { return tile.key[4 * j + l]; });
         }
         if (iv.done) {
             vsel = iv.a - 1; /* every key >= a */
@@ -515,18 +665,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                 /* ties: the `need` lowest indices among keys equal to v, as the largest pseudo-keys
                  * L - index in [1, L] */
                 Interval ix{1u, (uint32_t)L + 1u, equal, 0, 0};
-                while (!ix.done && ix.z - ix.a > 1) {
-                    make_edges(s, ix, need, false, 0.f, 0.f);
-                    const uint32_t *edges = s.edges;
-                    const Interval cur = ix;
-                    round_step<C, VEC>(
-                        s, par, ix, need, G + 1,
-                        [&](int j, int l) {
-                            return tile.key[4 * j + l] == v ? (uint32_t)(L - tile.index(j, l)) : 0u;
-                        },
-                        [&](uint32_t key) { return edge_bin(edges, key); },
-                        [&](int b) { return b == 0 ? cur.a : (b == G + 1 ? cur.z : edges[b - 1]); });
-                }
+                ix = gvr_search<C, VEC>(s, par, ix, need, false, 0.f, 0.f, [&](int j, int l) {
+                    return tile.key[4 * j + l] == v ? (uint32_t)(L - tile.index(j, l)) : 0u;
+                });
                 vsel = v;
                 veq = v;
                 imax = L - (int)ix.a; /* pseudo >= a  <=>  index <= L - a */
@@ -534,6 +675,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     }
 
+    PROF(1);
     /* Output: ordered by (CTA, thread, element); positions from a block scan and a cluster prefix. */
     int mine = 0;
 #pragma unroll
@@ -562,6 +704,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     /* no CTA may leave while another still reads its shared memory */
     cluster_barrier<C>();
+    PROF(1);
 }
 
 /* Sort each row's kk indices by (value descending, index ascending). */
@@ -666,6 +809,13 @@ int sm_count()
 extern "C" {
 
 __attribute__((visibility("default"))) int gvr_cuda_abi_version(void) { return GVR_ABI_VERSION; }
+
+#ifdef GVR_PROFILE
+__attribute__((visibility("default"))) int gvr_debug_clocks(long long *host)
+{
+    return (int)cudaMemcpyFromSymbol(host, g_prof, sizeof(long long) * 64);
+}
+#endif
 
 __attribute__((visibility("default"))) const char *gvr_cuda_last_error(void) { return g_last_error; }
 

@@ -23,3 +23,10 @@ if [ -f benchmarks/bench_topk.py ] && [ "$mode" = "full" ]; then
 else
   (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee "$OUT/quick_bench.log"
 fi
+if [ "$mode" = "profile" ] || [ "$mode" = "quick" ]; then
+  LIB=$(cd /tmp && python3 -c "import gvr; print(gvr.build_info()['cuda_library'])")
+  cp "$LIB" /tmp/libgvr_cuda.release.so
+  nvcc -O3 -std=c++17 -DGVR_PROFILE -gencode=arch=compute_${GVR_CUDA_ARCHS},code=sm_${GVR_CUDA_ARCHS} -Xcompiler -fPIC -shared --cudart=static -o "$LIB" kernels/topk.cu \
+    && (cd /tmp && python3 "$OLDPWD/scripts/profile_phases.py" 2>&1 | tee "$OUT/profile.log")
+  cp /tmp/libgvr_cuda.release.so "$LIB"
+fi
