@@ -292,14 +292,18 @@ def bar_line(ok, text):
 # ------------------------------------------------------------------------------------------------
 # CPU mode
 # ------------------------------------------------------------------------------------------------
-def time_cpu(calls, budget_s, min_runs, max_runs):
-    """Timing of zero-arg callables (one per input), each call timed on its own with
-    time.perf_counter. Returns the "hot" statistics (median_us, ...) with the "cycled" ones under
-    the key "cycled":
-      hot:    each input called back to back (after 2 untimed warm-up calls): its row is in the
-              core's caches, the usual micro-benchmark setting;
-      cycled: the inputs rotated call by call: with several inputs of 64 KB and more the row comes
-              from L3 / memory, closer to a decode loop where each step's row is new."""
+CPU_MODES = ("fresh", "repeat", "cold")
+
+
+def time_cpu(calls, touches, budget_s, min_runs, max_runs):
+    """Per-call time.perf_counter timings of zero-arg callables, one per distinct input, in three
+    settings. Returns the "fresh" statistics (median_us, ...) with the other two under their names:
+      fresh:  inputs rotated call by call, each input's row read (untimed) just before its call:
+              the row is in cache, as right after the indexer wrote it, but the call has not seen it
+              before, as in a decode loop (the primary number);
+      repeat: each input called back to back: caches AND branch predictors trained on that very
+              input (the usual micro-benchmark loop; optimistic for data-dependent branches);
+      cold:   inputs rotated, no read before: the row comes from L3 / memory."""
     for c in calls:  # warm-up
         c()
     t0 = time.perf_counter()
@@ -308,29 +312,58 @@ def time_cpu(calls, budget_s, min_runs, max_runs):
     est = max((time.perf_counter() - t0) / len(calls), 1e-7)
     runs = int(min(max_runs, max(min_runs, budget_s / est)))
     per_input = max(1, math.ceil(runs / len(calls)))
+    L = len(calls)
     pc = time.perf_counter
     gc_was = gc.isenabled()
     gc.disable()
     try:
-        hot = []
+        fresh = np.empty(runs)
+        for i in range(runs):
+            c = calls[i % L]
+            touches[i % L]()
+            t = pc()
+            c()
+            fresh[i] = pc() - t
+        rep = []
         for c in calls:
             c()
             c()
             for _ in range(per_input):
                 t = pc()
                 c()
-                hot.append(pc() - t)
-        cyc = np.empty(runs)
+                rep.append(pc() - t)
+        cold = np.empty(runs)
         for i in range(runs):
-            c = calls[i % len(calls)]
+            c = calls[i % L]
             t = pc()
             c()
-            cyc[i] = pc() - t
+            cold[i] = pc() - t
     finally:
         if gc_was:
             gc.enable()
-    out = summarize(hot)
-    out["cycled"] = summarize(cyc)
+    out = summarize(fresh)
+    out["repeat"] = summarize(rep)
+    out["cold"] = summarize(cold)
+    return out
+
+
+def rolled_inputs(base, target, max_bytes=64 << 20):
+    """More distinct inputs from each (x, prev, expected): x circularly shifted by s along N and prev
+    remapped to (prev + s) mod N (the same problem, relabelled: same values, same overlap; a new
+    branch pattern). Shifted inputs carry expected=None (not checked). Enough copies for ``target``
+    inputs in all, within ``max_bytes`` of rows."""
+    per = sum(x.nbytes for x, _, _ in base) or 1
+    copies = max(1, min(math.ceil(target / len(base)), max_bytes // per))
+    out = []
+    for v in range(copies):
+        for x, prev, exp in base:
+            if v == 0:
+                out.append((x, prev, exp))
+                continue
+            m = x.shape[-1]
+            sh = (v * m) // copies + 7 * v
+            out.append((np.ascontiguousarray(np.roll(x, sh, axis=-1)),
+                        ((prev.astype(np.int64) + sh) % m).astype(np.int32), None))
     return out
 
 
@@ -346,22 +379,25 @@ def cpu_cell(wl, b, threads, args, torch):
         if threads == 1:
             torch.set_num_threads(1)
     try:
-        # inputs: B=1 cycles over every (pool row, step) pair; B>1 tiles rows b % pool
-        inputs = []  # (x, prev, expected)
+        # inputs: B=1 uses every (pool row, step) pair; B>1 tiles rows b % pool
+        base = []  # (x, prev, expected)
         if b == 1:
             rows_used = list(range(wl.pool))
             for p in rows_used:
                 for t in range(1, wl.steps):
-                    inputs.append((np.ascontiguousarray(wl.arrays[t][p]), wl.truth[t - 1][p].copy(), wl.truth[t][p]))
+                    base.append((np.ascontiguousarray(wl.arrays[t][p]), wl.truth[t - 1][p].copy(), wl.truth[t][p]))
         else:
             idx = np.arange(b) % wl.pool
             rows_used = sorted(set(idx.tolist()))
             for t in range(1, wl.steps):
-                inputs.append((np.ascontiguousarray(wl.arrays[t][idx]), np.ascontiguousarray(wl.truth[t - 1][idx]),
-                               wl.truth[t][idx]))
-        # correctness, once per cell and input
+                base.append((np.ascontiguousarray(wl.arrays[t][idx]), np.ascontiguousarray(wl.truth[t - 1][idx]),
+                             wl.truth[t][idx]))
+        inputs = rolled_inputs(base, args.distinct if b == 1 else max(4, args.distinct // 2))
+        # correctness, once per cell and (unshifted) input
         stats_pred, stats_nopred = [], []
         for x, prev, exp in inputs:
+            if exp is None:
+                continue
             r = gvr.topk_decode(x, k, prev_topk=prev)
             if b == 1:
                 stats_pred.append(dict(gvr._C.cpu_stats()))
@@ -373,40 +409,41 @@ def cpu_cell(wl, b, threads, args, torch):
 
         big = n >= 65536
         min_runs = 30 if big else (30 if args.quick else 100)
-        max_runs = 400 if big else 3000
+        max_runs = 300 if big else 2000
         budget = args.budget * (b if b > 1 else 1) ** 0.5
+        touches = [lambda x=x: x.max() for x, _, _ in inputs]
         meth = {}
         meth["gvr_prev"] = time_cpu([lambda x=x, p=p: gvr.topk_decode(x, k, prev_topk=p) for x, p, _ in inputs],
-                                    budget, min_runs, max_runs)
-        meth["gvr"] = time_cpu([lambda x=x: gvr.topk_decode(x, k) for x, _, _ in inputs], budget, min_runs, max_runs)
+                                    touches, budget, min_runs, max_runs)
+        meth["gvr"] = time_cpu([lambda x=x: gvr.topk_decode(x, k) for x, _, _ in inputs], touches, budget,
+                               min_runs, max_runs)
         meth["argpartition"] = time_cpu([lambda x=x: np.argpartition(-x, k, axis=-1)[..., :k] for x, _, _ in inputs],
-                                        budget, min_runs, max_runs)
+                                        touches, budget, min_runs, max_runs)
         if torch is not None:
             tx = [torch.from_numpy(x) for x, _, _ in inputs]
             meth["torch_topk"] = time_cpu([lambda x=x: torch.topk(x, k, dim=-1, sorted=False) for x in tx],
-                                          budget, min_runs, max_runs)
+                                          touches, budget, min_runs, max_runs)
 
         def avg_stats(ss):
             if not ss:
                 return None
             return {key: float(np.mean([s[key] for s in ss])) for key in ss[0]}
 
-        med = {m: v["median_us"] for m, v in meth.items()}
-        medc = {m: v["cycled"]["median_us"] for m, v in meth.items()}
+        speedup = {}
+        for mode in CPU_MODES:
+            med = {m: (v if mode == "fresh" else v[mode])["median_us"] for m, v in meth.items()}
+            sfx = "" if mode == "fresh" else "_" + mode
+            speedup["argpartition_over_gvr_prev" + sfx] = ratio(med.get("argpartition"), med.get("gvr_prev"))
+            speedup["argpartition_over_gvr" + sfx] = ratio(med.get("argpartition"), med.get("gvr"))
+            speedup["gvr_over_gvr_prev" + sfx] = ratio(med.get("gvr"), med.get("gvr_prev"))
+            speedup["torch_over_gvr_prev" + sfx] = ratio(med.get("torch_topk"), med.get("gvr_prev"))
         return {
             "workload": wl.name, "n": n, "b": b, "k": k, "threads": threads,
             "gvr_threads": gvr.get_num_threads(),
             "overlap_measured": wl.overlap(rows_used),
-            "inputs": len(inputs),
+            "inputs": len(inputs), "inputs_unshifted": len(base),
             "methods": meth,
-            "speedup": {
-                "argpartition_over_gvr_prev": ratio(med.get("argpartition"), med.get("gvr_prev")),
-                "argpartition_over_gvr": ratio(med.get("argpartition"), med.get("gvr")),
-                "gvr_over_gvr_prev": ratio(med.get("gvr"), med.get("gvr_prev")),
-                "torch_over_gvr_prev": ratio(med.get("torch_topk"), med.get("gvr_prev")),
-                "argpartition_over_gvr_prev_cycled": ratio(medc.get("argpartition"), medc.get("gvr_prev")),
-                "argpartition_over_gvr_cycled": ratio(medc.get("argpartition"), medc.get("gvr")),
-            },
+            "speedup": speedup,
             "cpu_stats_prev": avg_stats(stats_pred),
             "cpu_stats_noprev": avg_stats(stats_nopred),
             "correct": True,
@@ -418,8 +455,8 @@ def cpu_cell(wl, b, threads, args, torch):
 
 
 CPU_HEADERS = ["workload", "N", "B", "thr", "ovl", "gvr+prev", "gvr", "argpart", "torch",
-               "argp/gvr+prev", "argp/gvr", "gvr/gvr+prev", "cyc:gvr+prev", "cyc:gvr", "cyc:argpart",
-               "cyc:argp/gvr+prev", "passes", "cand"]
+               "argp/gvr+prev", "argp/gvr", "gvr/gvr+prev", "rep:gvr+prev", "rep:gvr", "rep:argpart",
+               "rep:argp/gvr+prev", "passes", "cand"]
 
 
 def cpu_row(c):
@@ -428,14 +465,14 @@ def cpu_row(c):
                 "ERROR: " + c["error"].splitlines()[-1][:60]] + [""] * (len(CPU_HEADERS) - 6)
     m = c["methods"]
     g = lambda name: m[name]["median_us"] if name in m else None  # noqa: E731
-    gc_ = lambda name: m[name]["cycled"]["median_us"] if name in m else None  # noqa: E731
+    gr = lambda name: m[name]["repeat"]["median_us"] if name in m else None  # noqa: E731
     s = c["speedup"]
     st = c.get("cpu_stats_prev") or {}
     return [c["workload"], fmt_n(c["n"]), c["b"], c["threads_label"], f"{c['overlap_measured']:.2f}",
             fmt_us(g("gvr_prev")), fmt_us(g("gvr")), fmt_us(g("argpartition")), fmt_us(g("torch_topk")),
             fmt_x(s["argpartition_over_gvr_prev"]), fmt_x(s["argpartition_over_gvr"]), fmt_x(s["gvr_over_gvr_prev"]),
-            fmt_us(gc_("gvr_prev")), fmt_us(gc_("gvr")), fmt_us(gc_("argpartition")),
-            fmt_x(s.get("argpartition_over_gvr_prev_cycled")),
+            fmt_us(gr("gvr_prev")), fmt_us(gr("gvr")), fmt_us(gr("argpartition")),
+            fmt_x(s.get("argpartition_over_gvr_prev_repeat")),
             f"{st['count_passes']:.1f}" if "count_passes" in st else "-",
             f"{st['candidates']:.0f}" if "candidates" in st else "-"]
 
@@ -455,26 +492,30 @@ def cpu_bars(cells, k):
         bars += [{"name": "cpu_128k_prev_vs_argpartition", "ok": None}, {"name": "cpu_128k_noprev_vs_argpartition", "ok": None}]
         return lines, bars
     m = c["methods"]
-    gp, g0, ap = m["gvr_prev"]["median_us"], m["gvr"]["median_us"], m["argpartition"]["median_us"]
-    gpc, g0c, apc = (m[x]["cycled"]["median_us"] for x in ("gvr_prev", "gvr", "argpartition"))
+    t = {x: {mode: (m[x] if mode == "fresh" else m[x][mode])["median_us"] for mode in CPU_MODES} for x in m}
+    gp, g0, ap = t["gvr_prev"]["fresh"], t["gvr"]["fresh"], t["argpartition"]["fresh"]
     r1, r2 = ap / gp, ap / g0
-    lines.append(f"HEADLINE  N=131072 (128K), k={k}, B=1, 1 thread, correlated decode trace "
-                 f"(target overlap 0.45, measured {c['overlap_measured']:.2f}); median us, hot / cycled inputs:")
-    lines.append(f"  gvr.topk_decode with prev_topk   {gp:9.1f} us  / {gpc:9.1f} us")
-    lines.append(f"  gvr.topk_decode, no prediction   {g0:9.1f} us  / {g0c:9.1f} us")
-    lines.append(f"  np.argpartition(-x, k)           {ap:9.1f} us  / {apc:9.1f} us")
-    if "torch_topk" in m:
-        lines.append(f"  torch.topk(sorted=False)         {m['torch_topk']['median_us']:9.1f} us  / "
-                     f"{m['torch_topk']['cycled']['median_us']:9.1f} us")
+    lines.append(f"HEADLINE  N=131072 (128K), k={k}, B=1, 1 thread, correlated decode trace (target overlap 0.45, "
+                 f"measured {c['overlap_measured']:.2f}), {c['inputs']} distinct inputs; median us per call:")
+    lines.append(f"  {'':32s} {'fresh':>9s} {'repeat':>9s} {'cold':>9s}")
+    names = [("gvr_prev", "gvr.topk_decode with prev_topk"), ("gvr", "gvr.topk_decode, no prediction"),
+             ("argpartition", "np.argpartition(-x, k)"), ("torch_topk", "torch.topk(sorted=False)")]
+    for key, label in names:
+        if key in t:
+            lines.append(f"  {label:32s} " + " ".join(f"{t[key][mode]:9.1f}" for mode in CPU_MODES))
+    rr = {mode: (t["argpartition"][mode] / t["gvr_prev"][mode], t["argpartition"][mode] / t["gvr"][mode])
+          for mode in CPU_MODES}
     l1 = bar_line(r1 >= 8.0, f"gvr with prev_topk is {r1:.2f}x faster than np.argpartition (bar: >= 8x; "
-                  f"cycled inputs: {apc / gpc:.2f}x)")
+                  f"repeat {rr['repeat'][0]:.2f}x, cold {rr['cold'][0]:.2f}x)")
     l2 = bar_line(r2 >= 1.0, f"gvr without prediction is {r2:.2f}x np.argpartition's speed (bar: >= 1x, no slower; "
-                  f"cycled inputs: {apc / g0c:.2f}x)")
+                  f"repeat {rr['repeat'][1]:.2f}x, cold {rr['cold'][1]:.2f}x)")
     lines += [l1, l2]
-    bars.append({"name": "cpu_128k_prev_vs_argpartition", "ok": r1 >= 8.0, "value": r1, "value_cycled": apc / gpc,
-                 "bar": ">= 8", "line": l1})
-    bars.append({"name": "cpu_128k_noprev_vs_argpartition", "ok": r2 >= 1.0, "value": r2, "value_cycled": apc / g0c,
-                 "bar": ">= 1", "line": l2})
+    lines.append("  (fresh: distinct inputs rotated, each row read just before its call; repeat: one input "
+                 "back to back; cold: rotated without the read)")
+    bars.append({"name": "cpu_128k_prev_vs_argpartition", "ok": r1 >= 8.0, "value": r1,
+                 "value_repeat": rr["repeat"][0], "value_cold": rr["cold"][0], "bar": ">= 8", "line": l1})
+    bars.append({"name": "cpu_128k_noprev_vs_argpartition", "ok": r2 >= 1.0, "value": r2,
+                 "value_repeat": rr["repeat"][1], "value_cold": rr["cold"][1], "bar": ">= 1", "line": l2})
     return lines, bars
 
 
@@ -490,15 +531,16 @@ def run_cpu(args, meta):
     batches = args.batches or CPU_BATCHES
     pool = args.pool or (2 if args.quick else 8)
     meta["pool"] = pool
-    meta["batch_rows"] = (f"B=1: every (pool row, step) input cycled; B>1: row b = trace row b mod {pool} "
-                          f"(independent traces, rho calibrated on row 0)")
+    meta["batch_rows"] = (f"B=1: every (pool row, step) input; B>1: row b = trace row b mod {pool} "
+                          f"(independent traces, rho calibrated on row 0); more distinct inputs by circular "
+                          f"shifts (>= {args.distinct} for B=1)")
     print(f"# gvr Top-K benchmark, CPU: {meta['device_name']} ({meta['cpu_count']} logical CPUs, "
           f"gvr default threads {meta['gvr_default_threads']})")
     print(f"# {meta['date']}  commit {meta['commit']}  gvr {meta['gvr_version']}  numpy {np.__version__}  "
           f"torch {meta['torch']}")
     print(f"# k={args.k}, steps={args.steps}, pool={pool}; {meta['batch_rows']}")
-    print("# times: median us per call (time.perf_counter, each call timed on its own, after warm-up); "
-          "hot = each input repeated back to back (row in cache), cyc: = inputs rotated call by call")
+    print("# times: median us per call (time.perf_counter around each call, after warm-up); fresh (main columns): "
+          "distinct inputs rotated, each row read just before its call; rep: = each input repeated back to back")
     cells = []
     for wname in args.workloads:
         for n in sizes:
@@ -534,8 +576,9 @@ def run_cpu(args, meta):
     print(table)
     print("columns: ovl = measured step-to-step Top-K overlap; gvr+prev = gvr.topk_decode(x, k, prev_topk=<exact "
           "Top-K of step t-1>); gvr = no prediction; argpart = np.argpartition(-x, k, axis=-1)[..., :k]; "
-          "torch = torch.topk(x, k, sorted=False); a/b = time(a)/time(b); cyc: = inputs rotated call by call "
-          "(row not in the core's caches), the other times with each input repeated back to back; passes, cand = gvr._C.cpu_stats() "
+          "torch = torch.topk(x, k, sorted=False); a/b = time(a)/time(b); main columns: distinct inputs rotated "
+          "call by call, each row read (untimed) just before its call; rep: = one input repeated back to back "
+          "(caches and branch predictors trained on it); passes, cand = gvr._C.cpu_stats() "
           "(B=1, with prev) averaged over the inputs")
     lines, bars = cpu_bars(cells, args.k)
     print()
@@ -975,7 +1018,9 @@ def parse_args(argv=None):
                    help="independent trace rows per (workload, N) (default: CPU 8, CUDA 4; --quick 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=float, default=None,
-                   help="CPU: seconds of timing per method and cell (default 0.25, --quick 0.1)")
+                   help="CPU: seconds of timing per method, setting and cell (default 0.15, --quick 0.06)")
+    p.add_argument("--distinct", type=int, default=16,
+                   help="CPU: distinct B=1 inputs per cell (pool rows x steps, then circular shifts)")
     p.add_argument("--reps", type=int, default=60, help="CUDA warm: timed replays (or eager calls) per cell")
     p.add_argument("--cold-reps", type=int, default=50, help="CUDA cold: timed calls per cell")
     p.add_argument("--graph-calls", type=int, default=10, help="CUDA warm: calls captured in one graph")
@@ -983,7 +1028,7 @@ def parse_args(argv=None):
     p.add_argument("--no-torch", action="store_true", help="CPU: skip torch.topk even if torch imports")
     a = p.parse_args(argv)
     if a.budget is None:
-        a.budget = 0.1 if a.quick else 0.25
+        a.budget = 0.06 if a.quick else 0.15
     if a.steps < 2:
         p.error("--steps must be >= 2")
     if a.out is None:

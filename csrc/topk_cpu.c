@@ -64,13 +64,18 @@ static int64_t count_ge_scalar(const float *x, int64_t n, float t)
     return total;
 }
 
-/* Indices i in [from, n) with x[i] >= t, ascending. idx needs room for the count plus one. */
-static int64_t collect_ge_scalar_from(const float *x, int64_t from, int64_t n, float t, int32_t *idx)
+/* #{i in [from, n) : x[i] >= t}; the first `cap - m0` such indices (ascending) go to idx[m0..cap).
+ * Returns the total count, m0 included. */
+static int64_t collect_ge_scalar_from(const float *x, int64_t from, int64_t n, float t, int32_t *idx, int64_t m0,
+                                      int64_t cap)
 {
-    int64_t m = 0;
+    int64_t m = m0;
     for (int64_t i = from; i < n; i++) {
-        idx[m] = (int32_t)i;
-        m += x[i] >= t;
+        if (x[i] >= t) {
+            if (m < cap)
+                idx[m] = (int32_t)i;
+            m++;
+        }
     }
     return m;
 }
@@ -102,9 +107,10 @@ __attribute__((target("avx2"))) static int64_t count_ge_avx2(const float *x, int
     return total + count_ge_scalar(x + i, n - i, t);
 }
 
-/* Most 32-blocks hold no candidate: one OR of four compares skips them. */
+/* Count and collect in one pass: most 32-blocks hold no candidate, and one OR of four compares
+ * skips them. Indices beyond cap are counted, not stored. */
 __attribute__((target("avx2,bmi"))) static int64_t collect_ge_avx2(const float *x, int64_t n, float t,
-                                                                    int32_t *idx)
+                                                                    int32_t *idx, int64_t cap)
 {
     const __m256 tv = _mm256_set1_ps(t);
     int64_t m = 0, i = 0;
@@ -118,12 +124,21 @@ __attribute__((target("avx2,bmi"))) static int64_t collect_ge_avx2(const float *
             continue;
         uint32_t bits = (uint32_t)_mm256_movemask_ps(c0) | (uint32_t)_mm256_movemask_ps(c1) << 8 |
                         (uint32_t)_mm256_movemask_ps(c2) << 16 | (uint32_t)_mm256_movemask_ps(c3) << 24;
-        while (bits) {
-            idx[m++] = (int32_t)(i + __builtin_ctz(bits));
-            bits &= bits - 1;
+        if (m + 32 <= cap) {
+            while (bits) {
+                idx[m++] = (int32_t)(i + __builtin_ctz(bits));
+                bits &= bits - 1;
+            }
+        } else {
+            while (bits) {
+                if (m < cap)
+                    idx[m] = (int32_t)(i + __builtin_ctz(bits));
+                m++;
+                bits &= bits - 1;
+            }
         }
     }
-    return m + collect_ge_scalar_from(x, i, n, t, idx + m);
+    return collect_ge_scalar_from(x, i, n, t, idx, m, cap);
 }
 #endif
 
@@ -148,13 +163,14 @@ static int64_t count_ge(const float *x, int64_t n, float t)
     return count_ge_scalar(x, n, t);
 }
 
-static int64_t collect_ge(const float *x, int64_t n, float t, int32_t *idx)
+/* #{i : x[i] >= t}, storing the first cap such indices (ascending) in idx. */
+static int64_t collect_ge(const float *x, int64_t n, float t, int32_t *idx, int64_t cap)
 {
 #ifdef GVR_X86
     if (use_avx2())
-        return collect_ge_avx2(x, n, t, idx);
+        return collect_ge_avx2(x, n, t, idx, cap);
 #endif
-    return collect_ge_scalar_from(x, 0, n, t, idx);
+    return collect_ge_scalar_from(x, 0, n, t, idx, 0, cap);
 }
 
 /* The r-th largest (r >= 1) of v[0..m) by key; v is reordered. Iterative quickselect with a
@@ -267,25 +283,49 @@ static void sort_desc(uint32_t *key, int32_t *idx, int64_t n, uint32_t *key_tmp,
     }
 }
 
-/* Threshold key T with c(T) >= kk (T == 0: every element, for rows short of non-NaN values). */
-static uint32_t find_threshold(const float *x, int64_t L, int64_t kk, uint32_t *sample, int64_t m,
-                               int predicted, int64_t *count_out)
+/* One search for a threshold key T with kk <= c(T) = #{x >= T}: T == 0 means every element.
+ * Passes collect as they count (idx, room for cap): when the final pass's count fits, its candidates
+ * are already in idx (*collected = 1). sq: strided sample (first guess: measured on the decode
+ * traces, the sample quantile lands in the window more often than any fixed rank of the predicted
+ * values, whose best rank depends on the unknown overlap); sp: the values at the predicted indices,
+ * gathered only if the first guess misses, for the refinement (dense near the k-th value). */
+typedef struct {
+    const float *x;
+    int64_t L, kk, W, cap;
+    uint32_t *sq, *sp;
+    int64_t mq, mp;
+    const int32_t *prev; /* gathered into sp only when the first guess misses */
+    int64_t kp;
+} search_t;
+
+static void gather_prediction(search_t *q)
 {
-    const int64_t W = kk / 2 > 64 ? kk / 2 : 64;
-    const int64_t target = kk + W / 2;
+    q->mp = 0;
+    for (int64_t j = 0; j < q->kp; j++) {
+        int32_t p = q->prev[j];
+        if (p >= 0 && p < q->L) {
+            uint32_t key = gvr_float_key(q->x[p]);
+            if (key)
+                q->sp[q->mp++] = key;
+        }
+    }
+    q->kp = 0;
+}
+
+static uint32_t find_threshold(search_t *q, int32_t *idx, int64_t *count_out, int *collected)
+{
+    const int64_t L = q->L, kk = q->kk, W = q->W, target = kk + W / 2;
     uint32_t ge_key = 0, lt_key = KEY_POS_INF + 1; /* c(0) = L >= kk, c(+inf+1) = 0 < kk */
     int64_t ge_cnt = L, lt_cnt = 0;
-    int ge_real = 0, lt_real = 0, same_side = 0, last_side = 0;
+    int ge_real = 0, lt_real = 0, same_side = 0, last_side = 0, passes = 0;
+    *collected = 0;
     uint32_t t;
-    if (m == 0) {
-        t = KEY_NEG_INF;
-    } else if (predicted) {
-        t = select_rank(sample, m, (m + 1) / 2);
+    if (q->mq > 0) {
+        int64_t r = (int64_t)((double)target * (double)q->mq / (double)L) + 1;
+        t = select_rank(q->sq, q->mq, r < q->mq ? r : q->mq);
     } else {
-        int64_t r = (int64_t)((double)target * (double)m / (double)L) + 1;
-        t = select_rank(sample, m, r < m ? r : m);
+        t = KEY_NEG_INF;
     }
-    int passes = 0;
     for (int iter = 0; iter < 80; iter++) {
         if (lt_key - ge_key <= 1)
             break;
@@ -296,15 +336,20 @@ static uint32_t find_threshold(const float *x, int64_t L, int64_t kk, uint32_t *
                 break; /* fewer than kk non-NaN values: threshold 0 */
             t = KEY_NEG_INF;
         }
-        int64_t c = count_ge(x, L, key_to_float(t));
+        /* collect while counting when the count is expected in the window (first guess, or a
+         * bracket tight enough for the secant); count only otherwise */
+        const int try_collect = passes == 0 || (ge_real && lt_real && ge_cnt <= 4 * q->cap);
+        int64_t c = try_collect ? collect_ge(q->x, L, key_to_float(t), idx, q->cap) : count_ge(q->x, L, key_to_float(t));
         passes++;
         int side;
         if (c >= kk) {
             ge_key = t;
             ge_cnt = c;
             ge_real = 1;
-            if (c <= kk + W)
+            if (c <= kk + W) {
+                *collected = try_collect && c <= q->cap;
                 break;
+            }
             side = 1;
         } else {
             lt_key = t;
@@ -314,19 +359,21 @@ static uint32_t find_threshold(const float *x, int64_t L, int64_t kk, uint32_t *
         }
         same_side = side == last_side ? same_side + 1 : 0;
         last_side = side;
-        /* next guess */
+        if (q->kp)
+            gather_prediction(q);
         uint32_t nt = 0;
+        const uint32_t *smp = q->mp >= 16 ? q->sp : q->sq;
+        const int64_t m = q->mp >= 16 ? q->mp : q->mq;
         if (same_side >= 2) {
             nt = 0; /* bisect */
         } else if (ge_real && lt_real && ge_key >= KEY_NEG_INF && lt_key <= KEY_POS_INF) {
             float fg = key_to_float(ge_key), fl = key_to_float(lt_key);
-            double f = (double)fg + ((double)fl - (double)fg) * (double)(ge_cnt - target) /
-                                        (double)(ge_cnt - lt_cnt);
+            double f = (double)fg + ((double)fl - (double)fg) * (double)(ge_cnt - target) / (double)(ge_cnt - lt_cnt);
             if (f == f && f > -3.4e38 && f < 3.4e38)
                 nt = gvr_float_key((float)f);
         } else if (m > 0) {
             /* one side known: scale the sample's rank of t by the measured count */
-            int64_t r = sample_rank(sample, m, t);
+            int64_t r = sample_rank(smp, m, t);
             double want = (double)r * (double)target / (double)(c > 0 ? c : 1);
             if (c == 0)
                 want = (double)(r + 1) * 4.0;
@@ -335,7 +382,7 @@ static uint32_t find_threshold(const float *x, int64_t L, int64_t kk, uint32_t *
                 rr = 1;
             if (rr > m)
                 rr = m;
-            nt = select_rank(sample, m, rr);
+            nt = select_rank((uint32_t *)smp, m, rr);
         }
         t = nt;
     }
@@ -355,55 +402,63 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
     if (kk == 0)
         return 0;
 
-    /* 1. the sample */
-    int64_t cap = Kp > 1024 ? Kp : 1024;
-    uint32_t *sample = malloc((size_t)cap * sizeof *sample);
-    if (!sample)
+    search_t q;
+    q.x = x;
+    q.L = L;
+    q.kk = kk;
+    q.W = kk > 64 ? kk : 64; /* candidates up to 2 kk: a wider window saves passes */
+    q.cap = kk + q.W;
+    /* 1. samples: strided (first guess) and predicted (refinement) */
+    int64_t kp = Kp < 8192 ? Kp : 8192;
+    uint32_t *sample = malloc((size_t)(1024 + kp) * sizeof *sample);
+    int32_t *cidx = malloc((size_t)(q.cap + 64) * sizeof *cidx);
+    if (!sample || !cidx) {
+        free(sample);
+        free(cidx);
         return -1;
-    int64_t m = 0;
-    int predicted = 0;
-    for (int64_t j = 0; j < Kp; j++) {
-        int32_t p = prev[j];
-        if (p >= 0 && p < L) {
-            uint32_t key = gvr_float_key(x[p]);
-            if (key)
-                sample[m++] = key;
-        }
     }
-    if (m >= 16) {
-        predicted = 1;
-    } else {
-        m = 0;
-        int64_t ms = L < 1024 ? L : 1024;
-        for (int64_t j = 0; j < ms; j++) {
-            uint32_t key = gvr_float_key(x[(j * L) / ms]);
-            if (key)
-                sample[m++] = key;
-        }
+    q.sq = sample;
+    q.mq = 0;
+    int64_t ms = L < 1024 ? L : 1024;
+    for (int64_t j = 0; j < ms; j++) {
+        uint32_t key = gvr_float_key(x[(j * L) / ms]);
+        if (key)
+            q.sq[q.mq++] = key;
     }
+    q.sp = sample + 1024;
+    q.mp = 0;
+    q.prev = prev;
+    q.kp = kp;
 
-    /* 2. the threshold */
-    int64_t c;
-    uint32_t T = kk == L ? 0 : find_threshold(x, L, kk, sample, m, predicted, &c);
+    /* 2. the threshold, and 3. its candidates */
+    int64_t c = L;
+    int collected = 0;
+    uint32_t T = kk == L ? 0 : find_threshold(&q, cidx, &c, &collected);
     free(sample);
     if (T == 0)
         c = L;
-
-    /* 3. candidates */
-    int32_t *cidx = malloc((size_t)(c + 64) * sizeof *cidx);
+    if (!collected) {
+        if (c + 64 > q.cap + 64) {
+            int32_t *bigger = realloc(cidx, (size_t)(c + 64) * sizeof *cidx);
+            if (!bigger) {
+                free(cidx);
+                return -1;
+            }
+            cidx = bigger;
+        }
+        if (T == 0) {
+            for (int64_t i = 0; i < L; i++)
+                cidx[i] = (int32_t)i;
+        } else {
+            c = collect_ge(x, L, key_to_float(T), cidx, c);
+        }
+    }
     uint32_t *ckey = malloc((size_t)(c + 64) * 2 * sizeof *ckey);
-    if (!cidx || !ckey) {
+    if (!ckey) {
         free(cidx);
-        free(ckey);
         return -1;
     }
     uint32_t *ckey_tmp = ckey + c + 64;
-    if (T == 0) {
-        for (int64_t i = 0; i < L; i++)
-            cidx[i] = (int32_t)i;
-    } else {
-        c = collect_ge(x, L, key_to_float(T), cidx);
-    }
     for (int64_t i = 0; i < c; i++)
         ckey[i] = gvr_float_key(x[cidx[i]]);
     tls_stats.candidates = c;
@@ -420,7 +475,6 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
         }
     }
     if (sorted && kk > 1) {
-        /* reuse candidate arrays: pairs in [0, kk), scratch in [kk, 2kk) when it fits */
         uint32_t *sk = malloc((size_t)kk * 2 * sizeof *sk);
         int32_t *si = malloc((size_t)kk * 2 * sizeof *si);
         if (!sk || !si) {

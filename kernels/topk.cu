@@ -46,7 +46,6 @@ namespace {
 
 constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
-constexpr int G = 64;                 /* GVR bin edges per round */
 constexpr int RADIX_BINS = 2048;      /* widest digit */
 constexpr int MAX_PRED = 4096;        /* prediction entries read (a hint: a prefix is enough) */
 constexpr int PRED_PER_THREAD = MAX_PRED / THREADS;
@@ -102,19 +101,12 @@ __device__ __forceinline__ float key_value(uint32_t sk)
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
-constexpr int MAX_C = 16;
-
 struct Shared {
-    uint32_t edges[G];             /* sorted bin edges of a GVR round */
-    uint32_t edge_tmp[G];
     int hist[2][RADIX_BINS];       /* per-round histograms, double-buffered across cluster rounds */
     int rsum[RADIX_BINS];          /* radix: this CTA's slice of the cluster-summed histogram */
-    int gath[MAX_C][G + 1];        /* GVR: every CTA's histogram, gathered */
     int pub[2][4];                 /* per-CTA values published to the cluster */
     float red[WARPS][4];           /* block reduction scratch */
     int state_i[4];
-    uint32_t iv_u[2];              /* GVR: the interval after a round, from warp 0 */
-    int iv_i[3];
     float stats[4];
     typename cub::BlockScan<int, THREADS>::TempStorage scan;
 };
@@ -312,121 +304,113 @@ __device__ void round_step(Shared &s, int &par, Interval &iv, int kk, int nb, Ke
     /* state_i is rewritten only after the next round's cluster barrier */
 }
 
-/* Edge g of a GVR round for [a, z): g < GC concentrated where the secant puts the kk-th count
- * (around center +- spread in the first round), g >= GC evenly spaced keys; strictly inside (a, z). */
-__device__ __forceinline__ uint32_t edge_value(const Interval &iv, int kk, bool first, float center, float spread,
-                                               int g)
+/* GVR bins. A round maps every key in [a, z) to a bin by a monotone arithmetic function f (so the
+ * band pass is a few arithmetic operations and one shared-memory atomic per element, no search), and
+ * bin b's key range is [min{k: f(k) >= b}, min{k: f(k) >= b+1}), found afterwards for the chosen bin
+ * only by a warp-parallel search on f. Bin 0 is not counted (its total follows from c(a)).
+ *  VALUE: f(k) = clamp(floor((value(k) - v0) * inv_w) + 1, 0, NB - 1): evenly spaced values. The first
+ *         round spans center +- spread from phase 1 (the guess) with NB - 2 bins, bin 0 below and bin
+ *         NB - 1 above; later rounds span [value(a), value(z)) with NB - 1 bins.
+ *  KEY:   f(k) = clamp(floor((k - a) * (NB - 1) / (z - a)) + 1, 0, NB - 1): evenly spaced keys, for
+ *         non-finite brackets, the tie search's pseudo-keys, and after 6 rounds, so that every round
+ *         shrinks [a, z) ~NB-fold and the search ends.
+ * fl(fl(v - v0) * inv_w) is monotone in v (round to nearest), so f is monotone in the key. */
+constexpr int NB = THREADS; /* bins per GVR round: one per thread in the scan */
+
+struct Layout {
+    bool key_mode;
+    float v0, inv_w;
+    uint32_t a;
+    double kscale;
+};
+
+__device__ __forceinline__ int layout_bin(const Layout &lay, uint32_t key)
 {
-    constexpr int GC = 48, GK = G - GC;
-    const uint64_t width = (uint64_t)iv.z - (uint64_t)iv.a; /* >= 2 here */
-    uint32_t e;
-    if (width - 1 <= (uint64_t)G) {
-        const uint64_t v = (uint64_t)iv.a + 1 + (uint64_t)g; /* every interior key */
-        e = (uint32_t)(v < iv.z ? v : iv.z - 1);
-    } else if (g >= GC) {
-        e = (uint32_t)((uint64_t)iv.a + width * (uint64_t)(g - GC + 1) / (uint64_t)(GK + 1));
-    } else {
-        float lo_v, hi_v;
-        bool ok;
-        if (first) {
-            lo_v = center - spread;
-            hi_v = center + spread;
-            ok = isfinite(lo_v) && isfinite(hi_v) && hi_v > lo_v;
-        } else {
-            ok = iv.a >= 2u && iv.a <= KEY_POS_INF && iv.z <= KEY_POS_INF && iv.z > iv.a;
-            const float va = ok ? key_value(iv.a) : 0.f, vz = ok ? key_value(iv.z) : 0.f;
-            ok = ok && isfinite(va) && isfinite(vz) && vz > va;
-            /* secant: where a linear count(value) between the bracket ends reaches kk */
-            const float f = (float)(iv.ca - kk) / (float)max(iv.ca - iv.cz, 1);
-            const float c_v = va + f * (vz - va), half = 0.25f * (vz - va);
-            lo_v = fmaxf(va, c_v - half);
-            hi_v = fminf(vz, c_v + half);
-            ok = ok && hi_v > lo_v;
-        }
-        if (ok)
-            e = stored_key(lo_v + (hi_v - lo_v) * ((float)g + 0.5f) / (float)GC);
-        else
-            e = (uint32_t)((uint64_t)iv.a + width * (uint64_t)(g + 1) / (uint64_t)(GC + 1));
+    if (lay.key_mode) {
+        const double u = (double)(key - lay.a) * lay.kscale;
+        return u >= (double)(NB - 2) ? NB - 1 : (int)u + 1;
     }
-    if (e <= iv.a)
-        e = iv.a + 1;
-    if (e >= iv.z)
-        e = iv.z - 1;
-    return e;
+    if (key <= 1u)
+        return 0; /* NaN (and past-the-row) */
+    const float u = (key_value(key) - lay.v0) * lay.inv_w;
+    if (!(u >= 0.f))
+        return 0;
+    return u >= (float)(NB - 2) ? NB - 1 : (int)u + 1;
 }
 
-/* Warp-wide: the G edges of a round, sorted ascending by a bitonic network in registers; lane holds
- * edges lane (e0) and lane + 32 (e1). */
-__device__ __forceinline__ void warp_edges(const Interval &iv, int kk, bool first, float center, float spread,
-                                           uint32_t &e0, uint32_t &e1)
+__device__ Layout make_layout(const Interval &iv, bool first, bool value_ok, float center, float spread)
+{
+    Layout lay;
+    lay.a = iv.a;
+    lay.key_mode = true;
+    lay.v0 = 0.f;
+    lay.inv_w = 0.f;
+    const uint64_t width = (uint64_t)iv.z - (uint64_t)iv.a; /* >= 2 */
+    lay.kscale = (double)(NB - 1) / (double)width;
+    if (first) {
+        const float inv = (float)(NB - 2) / (2.f * spread);
+        if (spread > 0.f && isfinite(center - spread) && isfinite(center + spread) && isfinite(inv) && inv > 0.f) {
+            lay.key_mode = false;
+            lay.v0 = center - spread;
+            lay.inv_w = inv;
+        }
+    } else if (value_ok && width > (uint64_t)NB && iv.a >= 2u && iv.z <= KEY_POS_INF) {
+        const float va = key_value(iv.a), vz = key_value(iv.z);
+        const float inv = (float)(NB - 1) / (vz - va);
+        if (isfinite(va) && isfinite(vz) && vz > va && isfinite(inv) && inv > 0.f) {
+            lay.key_mode = false;
+            lay.v0 = va;
+            lay.inv_w = inv;
+        }
+    }
+    return lay;
+}
+
+/* Warp-wide: min{k in [lo, hi) : f(k) >= b}, or hi if none. Each step probes 32 evenly spaced keys. */
+__device__ __forceinline__ uint32_t warp_boundary(const Layout &lay, int b, uint32_t lo, uint32_t hi)
 {
     const int lane = threadIdx.x & 31;
-    e0 = edge_value(iv, kk, first, center, spread, lane);
-    e1 = edge_value(iv, kk, first, center, spread, lane + 32);
-#pragma unroll
-    for (int k = 2; k <= 64; k <<= 1)
-#pragma unroll
-        for (int d = k >> 1; d > 0; d >>= 1) {
-            if (d == 32) {
-                const uint32_t lo = min(e0, e1), hi = max(e0, e1);
-                e0 = lo;
-                e1 = hi;
-            } else {
-                const uint32_t p0 = __shfl_xor_sync(0xFFFFFFFFu, e0, d), p1 = __shfl_xor_sync(0xFFFFFFFFu, e1, d);
-                const bool lower = (lane & d) == 0;
-                const bool asc0 = (lane & k) == 0, asc1 = ((lane + 32) & k) == 0;
-                e0 = (lower == asc0) ? min(e0, p0) : max(e0, p0);
-                e1 = (lower == asc1) ? min(e1, p1) : max(e1, p1);
-            }
+    while (hi > lo) {
+        const uint64_t span = (uint64_t)hi - lo;
+        const uint64_t step = (span + 31) / 32;
+        const uint64_t p = (uint64_t)lo + (uint64_t)lane * step;
+        const bool ok = p >= hi || layout_bin(lay, (uint32_t)p) >= b;
+        const unsigned m = __ballot_sync(0xFFFFFFFFu, ok);
+        if (step == 1) {
+            /* probes cover [lo, lo + 32): the first passing probe is the answer */
+            const int j = m ? __ffs(m) - 1 : 32;
+            return (uint64_t)lo + j >= hi ? hi : lo + (uint32_t)j;
         }
+        const int j = m ? __ffs(m) - 1 : 32; /* first probe with f >= b */
+        const uint64_t pj = (uint64_t)lo + (uint64_t)j * step;
+        const uint64_t nhi = (j == 32 || pj > hi) ? hi : pj;
+        const uint64_t nlo = j == 0 ? lo : (uint64_t)lo + (uint64_t)(j - 1) * step + 1;
+        lo = (uint32_t)nlo;
+        hi = (uint32_t)nhi;
+    }
+    return hi;
 }
 
-/* GVR rounds on [a, z) until it is one key or a boundary count equals kk. Bins are the G + 1 gaps of
- * the sorted edges; bin 0 (below the first edge, most elements) is not counted: its total follows
- * from c(a). Elements in bins >= 1 (few) are binned warp-cooperatively: one ballot over the edges
- * held in registers, no per-thread search. Warp 0 sums the cluster's histograms, picks the bin,
- * and prepares the next round's edges; one block barrier publishes them. */
+/* GVR rounds on [a, z) until it is one key or a boundary count equals kk (see the file comment). */
 template <int C, int VEC, class KeyF>
-__device__ Interval gvr_search(Shared &s, int &par, Interval iv, int kk, bool first, float center, float spread,
-                               KeyF keyf)
+__device__ Interval gvr_search(Shared &s, int &par, Interval iv, int kk, bool first, bool value_ok, float center,
+                               float spread, KeyF keyf)
 {
-    const int lane = threadIdx.x & 31;
-    if (threadIdx.x < 32) {
-        uint32_t e0, e1;
-        warp_edges(iv, kk, first, center, spread, e0, e1);
-        s.edges[lane] = e0;
-        s.edges[lane + 32] = e1;
-    }
-    __syncthreads();
+    Layout lay = make_layout(iv, first, value_ok, center, spread);
     PROF(2);
-    while (!iv.done && iv.z - iv.a > 1) {
-        const uint32_t e0 = s.edges[lane], e1 = s.edges[lane + 32];
-        const uint32_t lo = s.edges[0] > iv.a ? s.edges[0] : iv.a;
+    for (int round = 1; !iv.done && iv.z - iv.a > 1; round++) {
         int *h = s.hist[par];
-        int c0 = 0, c1 = 0, c2 = 0;
 #pragma unroll
         for (int j = 0; j < VEC; j++)
 #pragma unroll
             for (int l = 0; l < 4; l++) {
                 const uint32_t k = keyf(j, l);
-                unsigned m = __ballot_sync(0xFFFFFFFFu, k >= lo && k < iv.z);
-                while (m) {
-                    const int src = __ffs(m) - 1;
-                    m &= m - 1;
-                    const uint32_t kb = __shfl_sync(0xFFFFFFFFu, k, src);
-                    const int b = __popc(__ballot_sync(0xFFFFFFFFu, e0 <= kb)) +
-                                  __popc(__ballot_sync(0xFFFFFFFFu, e1 <= kb)); /* in [1, G] */
-                    c0 += b == lane;
-                    c1 += b == lane + 32;
-                    c2 += b == G && lane == 0;
+                if (k >= iv.a && k < iv.z) {
+                    const int b = layout_bin(lay, k);
+                    if (b)
+                        atomicAdd(&h[b], 1);
                 }
             }
-        if (c0)
-            atomicAdd(&h[lane], c0);
-        if (c1)
-            atomicAdd(&h[lane + 32], c1);
-        if (c2)
-            atomicAdd(&h[G], c2);
         PROF(20);
         cluster_barrier<C>();
         PROF(21);
@@ -435,94 +419,46 @@ __device__ Interval gvr_search(Shared &s, int &par, Interval iv, int kk, bool fi
             for (int i = threadIdx.x; i < RADIX_BINS; i += THREADS)
                 hn[i] = 0;
         }
-        if constexpr (C > 1) {
-            for (int i = threadIdx.x; i < C * (G + 1); i += THREADS)
-                s.gath[i / (G + 1)][i % (G + 1)] = remote<C>(h, i / (G + 1))[i % (G + 1)];
-            __syncthreads();
+        const int b = NB - 1 - (int)threadIdx.x; /* descending */
+        int cnt = 0;
+        if (b >= 1) {
+#pragma unroll
+            for (int r = 0; r < C; r++)
+                cnt += remote<C>(h, r)[b];
         }
-        if (threadIdx.x < 32) {
-            /* lane owns descending bins G - 3*lane - i, i < 3 (bins >= 1 only) */
-            int cnt[3], sum = 0;
-#pragma unroll
-            for (int i = 0; i < 3; i++) {
-                const int b = G - (3 * lane + i);
-                int t = 0;
-                if (b >= 1) {
-                    if constexpr (C > 1) {
-                        for (int r = 0; r < C; r++)
-                            t += s.gath[r][b];
-                    } else {
-                        t = h[b];
-                    }
-                }
-                cnt[i] = t;
-                sum += t;
-            }
-            int scan = sum;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xFFFFFFFFu, scan, o);
-                if (lane >= o)
-                    scan += y;
-            }
-            const int total = __shfl_sync(0xFFFFFFFFu, scan, 31);
-            int incl = scan - sum, wb = -1, wS = 0, wS1 = 0;
-#pragma unroll
-            for (int i = 0; i < 3; i++) {
-                incl += cnt[i];
-                const int b = G - (3 * lane + i);
-                const int Sb = iv.cz + incl, Sb1 = Sb - cnt[i];
-                if (b >= 1 && Sb >= kk && Sb1 < kk) {
-                    wb = b;
-                    wS = Sb;
-                    wS1 = Sb1;
-                }
-            }
-            const unsigned win = __ballot_sync(0xFFFFFFFFu, wb >= 0);
-            int chosen, Sb, Sb1;
-            if (iv.cz + total < kk || !win) {
-                chosen = 0;
-                Sb = iv.ca;
-                Sb1 = iv.cz + total;
-            } else {
-                const int src = __ffs(win) - 1;
-                chosen = __shfl_sync(0xFFFFFFFFu, wb, src);
-                Sb = __shfl_sync(0xFFFFFFFFu, wS, src);
-                Sb1 = __shfl_sync(0xFFFFFFFFu, wS1, src);
-            }
-            /* bin b covers [edge[b-1], edge[b]) */
-            const int ia = chosen - 1, iz = chosen;
-            const uint32_t xa0 = __shfl_sync(0xFFFFFFFFu, e0, ia & 31), xa1 = __shfl_sync(0xFFFFFFFFu, e1, ia & 31);
-            const uint32_t xz0 = __shfl_sync(0xFFFFFFFFu, e0, iz & 31), xz1 = __shfl_sync(0xFFFFFFFFu, e1, iz & 31);
-            Interval nv;
-            nv.a = chosen == 0 ? iv.a : (ia >= 32 ? xa1 : xa0);
-            nv.z = chosen == G ? iv.z : (iz >= 32 ? xz1 : xz0);
-            nv.ca = Sb;
-            nv.cz = Sb1;
-            nv.done = Sb == kk;
-            if (!nv.done && nv.z - nv.a > 1) {
-                uint32_t n0, n1;
-                warp_edges(nv, kk, false, 0.f, 0.f, n0, n1);
-                s.edges[lane] = n0;
-                s.edges[lane + 32] = n1;
-            }
-            if (lane == 0) {
-                s.iv_u[0] = nv.a;
-                s.iv_u[1] = nv.z;
-                s.iv_i[0] = nv.ca;
-                s.iv_i[1] = nv.cz;
-                s.iv_i[2] = nv.done;
+        int incl, total;
+        cub::BlockScan<int, THREADS>(s.scan).InclusiveSum(cnt, incl, total);
+        {
+            const int Sb = iv.cz + incl, Sb1 = Sb - cnt;
+            if (b >= 1 && Sb >= kk && Sb1 < kk) {
+                s.state_i[0] = b;
+                s.state_i[1] = Sb;
+                s.state_i[2] = Sb1;
             }
         }
-        PROF(23);
         __syncthreads();
-        PROF(24);
-        iv.a = s.iv_u[0];
-        iv.z = s.iv_u[1];
-        iv.ca = s.iv_i[0];
-        iv.cz = s.iv_i[1];
-        iv.done = s.iv_i[2];
+        int chosen, Sb, Sb1;
+        if (iv.cz + total < kk) {
+            chosen = 0;
+            Sb = iv.ca;
+            Sb1 = iv.cz + total;
+        } else {
+            chosen = s.state_i[0];
+            Sb = s.state_i[1];
+            Sb1 = s.state_i[2];
+        }
+        /* every warp finds the chosen bin's key range (same result everywhere) */
+        const uint32_t na = chosen == 0 ? iv.a : warp_boundary(lay, chosen, iv.a, iv.z);
+        const uint32_t nz = chosen == NB - 1 ? iv.z : warp_boundary(lay, chosen + 1, na, iv.z);
+        iv.a = na;
+        iv.z = nz;
+        iv.ca = Sb;
+        iv.cz = Sb1;
+        iv.done = Sb == kk;
         par ^= 1;
+        PROF(23);
+        if (!iv.done && iv.z - iv.a > 1)
+            lay = make_layout(iv, false, value_ok && round < 6, 0.f, 0.f);
     }
     return iv;
 }
@@ -610,34 +546,50 @@ __global__ void __launch_bounds__(THREADS, 1)
                 PROF(1);
             }
         } else {
-            /* Phase 1 (guess): mean and spread of the scores at the predicted indices */
-            float st[4] = {0.f, 0.f, 0.f, 0.f}; /* n, sum, sum of squares, - */
+            /* Phase 1 (guess): mean and spread of the scores at the predicted indices, or, without
+             * a usable prediction, of a strided sample of the row. Two passes: E[v^2] - mean^2
+             * cancels in fp32 when the values sit far from zero. */
+            float st[4] = {0.f, 0.f, 0.f, 0.f}; /* n, sum */
 #pragma unroll
             for (int i = 0; i < PRED_PER_THREAD; i++)
                 if (isfinite(pval[i])) {
                     st[0] += 1.f;
                     st[1] += pval[i];
-                    st[2] += pval[i] * pval[i];
                 }
             block_sum4(st, s);
             const bool predicted = st[0] >= 16.f;
-            float center, spread;
+            constexpr int SPT = SAMPLE / THREADS;
+            float sv[SPT];
             if (!predicted) {
-                /* no usable prediction: a strided sample of the row */
                 const int m = L < SAMPLE ? L : SAMPLE;
-                st[0] = st[1] = st[2] = st[3] = 0.f;
-                for (int j = threadIdx.x; j < m; j += THREADS) {
-                    const float v = __ldg(xr + (int)(((long long)j * L) / m));
-                    if (isfinite(v)) {
+                st[0] = st[1] = 0.f;
+#pragma unroll
+                for (int i = 0; i < SPT; i++) {
+                    const int j = threadIdx.x + i * THREADS;
+                    sv[i] = j < m ? __ldg(xr + (int)(((long long)j * L) / m)) : __int_as_float(0x7FC00000);
+                    if (isfinite(sv[i])) {
                         st[0] += 1.f;
-                        st[1] += v;
-                        st[2] += v * v;
+                        st[1] += sv[i];
                     }
                 }
                 block_sum4(st, s);
             }
             const float n = fmaxf(st[0], 1.f), mean = st[1] / n;
-            const float sd = sqrtf(fmaxf(st[2] / n - mean * mean, 0.f));
+            float q[4] = {0.f, 0.f, 0.f, 0.f};
+            if (predicted) {
+#pragma unroll
+                for (int i = 0; i < PRED_PER_THREAD; i++)
+                    if (isfinite(pval[i]))
+                        q[0] += (pval[i] - mean) * (pval[i] - mean);
+            } else {
+#pragma unroll
+                for (int i = 0; i < SPT; i++)
+                    if (isfinite(sv[i]))
+                        q[0] += (sv[i] - mean) * (sv[i] - mean);
+            }
+            block_sum4(q, s);
+            const float sd = sqrtf(q[0] / n);
+            float center, spread;
             if (predicted) {
                 /* the previous Top-K straddles the current k-th value */
                 center = mean;
@@ -650,7 +602,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 spread = 1.5f * sd;
             }
             PROF(1);
-            iv = gvr_search<C, VEC>(s, par, iv, kk, true, center, spread,
+            iv = gvr_search<C, VEC>(s, par, iv, kk, true, true, center, spread,
                                     [&](int j, int l) { return tile.key[4 * j + l]; });
         }
         if (iv.done) {
@@ -665,7 +617,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 /* ties: the `need` lowest indices among keys equal to v, as the largest pseudo-keys
                  * L - index in [1, L] */
                 Interval ix{1u, (uint32_t)L + 1u, equal, 0, 0};
-                ix = gvr_search<C, VEC>(s, par, ix, need, false, 0.f, 0.f, [&](int j, int l) {
+                ix = gvr_search<C, VEC>(s, par, ix, need, false, false, 0.f, 0.f, [&](int j, int l) {
                     return tile.key[4 * j + l] == v ? (uint32_t)(L - tile.index(j, l)) : 0u;
                 });
                 vsel = v;
@@ -690,10 +642,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (threadIdx.x == 0)
         s.pub[par][0] = cta_total;
     cluster_barrier<C>();
-    int before = 0;
-    for (int r = 0; r < rank; r++)
-        before += remote<C>(s.pub[par], r)[0];
-    offset += before;
+    if constexpr (C > 1) {
+        /* each warp sums the totals of the lower ranks (lane r reads rank r) */
+        const int lane = threadIdx.x & 31;
+        const int v = lane < rank ? remote<C>(s.pub[par], lane)[0] : 0;
+        offset += (int)__reduce_add_sync(0xFFFFFFFFu, (unsigned)v);
+        /* no CTA may leave while another still reads its shared memory: arrive now, wait at exit */
+        cg::this_cluster().barrier_arrive();
+    }
 #pragma unroll
     for (int j = 0; j < VEC; j++)
 #pragma unroll
@@ -702,8 +658,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             if (key > vsel || (key == veq && tile.index(j, l) <= imax))
                 orow[offset++] = tile.index(j, l);
         }
-    /* no CTA may leave while another still reads its shared memory */
-    cluster_barrier<C>();
+    if constexpr (C > 1)
+        cg::this_cluster().barrier_wait();
     PROF(1);
 }
 

@@ -1,0 +1,202 @@
+"""python -m gvr: a decode-loop demo of gvr.topk_decode.
+
+Generates a synthetic 64K-context decode trace (gvr.data.decode_trace), runs topk_decode step by
+step with the previous step's result as the prediction (prev_topk), checks every step against an
+exact NumPy reference written here (independent of gvr's C code), and times it next to the usual
+baselines: np.argpartition on the CPU; torch.topk and gvr's radix path on CUDA.
+
+Exit status: 0 when every step is exact, 1 otherwise, 2 for bad arguments or a missing device.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import gvr
+import gvr.data
+
+
+def reference_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Exact Top-k indices of a 1-D row: value descending, NaN below -inf, ties to the lower index.
+
+    np.lexsort sorts by its last key first: NaN-ness, then -value (-0.0 == +0.0), then the index."""
+    x = np.asarray(x, dtype=np.float32)
+    order = np.lexsort((np.arange(x.size), -x, np.isnan(x)))
+    return order[: min(k, x.size)]
+
+
+def is_exact(got, x: np.ndarray, k: int) -> bool:
+    """gvr's result as a set equals the reference's, with -1 padding past min(k, len(x))."""
+    got = np.asarray(got).reshape(-1)
+    m = min(k, x.size)
+    if got.shape != (k,) or np.any(got[m:] != -1):
+        return False
+    return bool(np.array_equal(np.sort(got[:m].astype(np.int64)), np.sort(reference_topk(x, k))))
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def torch_cuda():
+    """torch when it is importable and sees a CUDA device, else None."""
+    try:
+        import torch
+    except Exception:
+        return None
+    try:
+        return torch if torch.cuda.is_available() and torch.cuda.device_count() > 0 else None
+    except Exception:
+        return None
+
+
+def median_us_cpu(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3
+
+
+def median_us_cuda(torch, fn, reps: int) -> float:
+    for _ in range(3):  # warm-up (the CUDA library loads on the first call)
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m gvr",
+        description="Decode-loop demo of gvr.topk_decode: exactness check and timing on a synthetic trace.",
+    )
+    p.add_argument("--n", type=int, default=65536, help="context length at the first step (default 65536)")
+    p.add_argument("--k", type=int, default=2048, help="top-k (default 2048)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps (default 8)")
+    p.add_argument("--overlap", type=float, default=0.45,
+                   help="target step-to-step Top-k overlap of the trace (default 0.45)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when torch sees a GPU and gvr's CUDA library loads, else cpu")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for gvr (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    a = p.parse_args(argv)
+    if a.n < 1:
+        p.error("--n must be >= 1")
+    if a.k < 1:
+        p.error("--k must be >= 1")
+    if a.steps < 1:
+        p.error("--steps must be >= 1")
+    if a.threads < 1:
+        p.error("--threads must be >= 1")
+    if not 0.0 <= a.overlap <= 1.0:
+        p.error("--overlap must lie in [0, 1]")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    info = gvr.build_info()
+    torch = torch_cuda() if a.device in ("auto", "cuda") else None
+    cuda_ok = torch is not None and gvr.cuda_available()
+    if a.device == "cuda" and not cuda_ok:
+        why = "torch with a CUDA device is not available" if torch is None else info["cuda_error"]
+        print(f"python -m gvr: --device cuda: {why}", file=sys.stderr)
+        return 2
+    device = "cuda" if cuda_ok else "cpu"
+    gvr.set_num_threads(a.threads)
+
+    print(f"gvr {gvr.__version__}: exact decode-time Top-K warm-started by the previous step's Top-K")
+    if device == "cuda":
+        print(f"device: cuda ({torch.cuda.get_device_name()}), torch {torch.__version__}")
+    else:
+        threads = f"{a.threads} thread{'s' if a.threads != 1 else ''} for gvr"
+        print(f"device: cpu ({cpu_name()}, {os.cpu_count()} cores, {threads})")
+    if info["cuda"]:
+        print(f"CUDA library: available ({info['cuda_library']})")
+    else:
+        print(f"CUDA library: not available: {info['cuda_error']}")
+
+    t0 = time.perf_counter()
+    rows = list(gvr.data.decode_trace(n=a.n, steps=a.steps, k=a.k, overlap=a.overlap, seed=a.seed))
+    print(f"trace: gvr.data.decode_trace(n={a.n}, steps={a.steps}, k={a.k}, overlap={a.overlap}, "
+          f"seed={a.seed}) in {time.perf_counter() - t0:.1f} s")
+
+    if device == "cpu":
+        reps = 10
+        print(f"timing: µs, median of {reps} calls per step on the same row (warm cache: optimistic; "
+              f"benchmarks/bench_topk.py rotates inputs)")
+        print("  gvr+prev: prev_topk = the previous step's result; gvr: no prediction; "
+              "argpart: np.argpartition(-x, k)[:k]; speedup = argpart / gvr+prev")
+        print(f"{'step':>4} {'N':>8} {'gvr+prev':>10} {'gvr':>10} {'argpart':>10} {'speedup':>8} {'overlap':>8}  exact")
+    else:
+        reps = 20
+        print(f"timing: µs, CUDA events, median of {reps} calls per step on the same row (warm L2: optimistic; "
+              f"benchmarks/bench_topk.py has cold-L2 numbers)")
+        print("  gvr+prev: prev_topk = the previous step's result; gvr: no prediction; radix: method='radix'; "
+              "torch: torch.topk(x, k, sorted=False)")
+        print(f"{'step':>4} {'N':>8} {'gvr+prev':>10} {'gvr':>10} {'radix':>10} {'torch':>10} "
+              f"{'vs torch':>8} {'vs radix':>8} {'overlap':>8}  exact")
+
+    prev = None  # the previous step's result: this step's prediction
+    speedups, all_exact = [], True
+    for t, x in enumerate(rows):
+        k = a.k
+        if device == "cpu":
+            cur = gvr.topk_decode(x, k, prev_topk=prev)
+            t_gvr = median_us_cpu(lambda: gvr.topk_decode(x, k, prev_topk=prev), reps)
+            t_nopred = median_us_cpu(lambda: gvr.topk_decode(x, k), reps)
+            t_base = median_us_cpu(lambda: np.argpartition(-x, k)[:k] if k < x.size else np.arange(x.size), reps)
+            cur_host = cur
+        else:
+            xd = torch.from_numpy(x).cuda()
+            kk = min(k, xd.numel())  # torch.topk needs k <= N
+            cur = gvr.topk_decode(xd, k, prev_topk=prev)
+            t_gvr = median_us_cuda(torch, lambda: gvr.topk_decode(xd, k, prev_topk=prev), reps)
+            t_nopred = median_us_cuda(torch, lambda: gvr.topk_decode(xd, k), reps)
+            t_radix = median_us_cuda(torch, lambda: gvr.topk_decode(xd, k, method="radix"), reps)
+            t_base = median_us_cuda(torch, lambda: torch.topk(xd, kk, sorted=False), reps)
+            cur_host = cur.cpu().numpy()
+        exact = is_exact(cur_host, x, k)
+        all_exact &= exact
+        ovl = "-" if prev is None else f"{gvr.data.topk_overlap(prev_host, cur_host):.2f}"
+        sp = t_base / t_gvr
+        if prev is not None or a.steps == 1:
+            speedups.append(sp)
+        if device == "cpu":
+            print(f"{t:>4} {x.size:>8} {t_gvr:>10.1f} {t_nopred:>10.1f} {t_base:>10.1f} {sp:>7.2f}x {ovl:>8}  "
+                  f"exact: {'yes' if exact else 'no'}", flush=True)
+        else:
+            print(f"{t:>4} {x.size:>8} {t_gvr:>10.1f} {t_nopred:>10.1f} {t_radix:>10.1f} {t_base:>10.1f} {sp:>7.2f}x "
+                  f"{t_radix / t_gvr:>7.2f}x {ovl:>8}  exact: {'yes' if exact else 'no'}", flush=True)
+        prev, prev_host = cur, cur_host
+
+    base = "argpartition" if device == "cpu" else "torch.topk"
+    which = "steps 1.." + str(a.steps - 1) + " (with prediction)" if a.steps > 1 else "step 0"
+    print(f"summary: median speedup over {base}, {which}: {statistics.median(speedups):.2f}x; "
+          f"all exact: {'yes' if all_exact else 'no'}")
+    return 0 if all_exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
