@@ -723,8 +723,8 @@ class CudaBench:
             x = gpu["x"][t].index_select(0, idx).contiguous()
             prev = gpu["truth"][t - 1].index_select(0, idx).contiguous()
             pairs.append((x, prev, wl.truth[t][idx_np]))
-        methods = ["gvr_prev", "gvr", "radix", "torch_topk"]
-        outs = {m: [torch.empty(b, k, dtype=torch.int32, device=self.dev) for _ in pairs] for m in methods[:3]}
+        methods = ["gvr_prev", "gvr", "gvr_kernel_prev", "radix", "torch_topk"]
+        outs = {m: [torch.empty(b, k, dtype=torch.int32, device=self.dev) for _ in pairs] for m in methods[:4]}
 
         def make(m, i):
             x, prev, _ = pairs[i]
@@ -732,6 +732,8 @@ class CudaBench:
                 return self.gvr_call(x, outs[m][i], prev, "auto")
             if m == "gvr":
                 return self.gvr_call(x, outs[m][i], None, "auto")
+            if m == "gvr_kernel_prev":  # the GVR kernel forced, whatever auto would pick
+                return self.gvr_call(x, outs[m][i], prev, "gvr")
             if m == "radix":
                 return self.gvr_call(x, outs[m][i], None, "radix")
             return self.torch_call(x)
@@ -820,7 +822,7 @@ class CudaBench:
 
 
 CUDA_HEADERS = ["workload", "N", "B", "ovl",
-                "w:gvr+prev", "w:gvr", "w:radix", "w:torch", "w:radix/gvr+prev", "w:torch/gvr+prev",
+                "w:gvr+prev", "w:gvr", "w:GVRk+prev", "w:radix", "w:torch", "w:radix/gvr+prev", "w:torch/gvr+prev",
                 "c:gvr+prev", "c:gvr", "c:radix", "c:torch", "c:radix/gvr+prev", "c:torch/gvr+prev", "check"]
 
 
@@ -841,7 +843,8 @@ def cuda_row(c):
     if not str(c.get("warm_mode", "graph")).startswith("graph"):
         check += " (warm eager)"
     return [c["workload"], fmt_n(c["n"]), c["b"], f"{c['overlap_measured']:.2f}",
-            fmt_us(g("gvr_prev", "warm")), fmt_us(g("gvr", "warm")), fmt_us(g("radix", "warm")),
+            fmt_us(g("gvr_prev", "warm")), fmt_us(g("gvr", "warm")), fmt_us(g("gvr_kernel_prev", "warm")),
+            fmt_us(g("radix", "warm")),
             fmt_us(g("torch_topk", "warm")), fmt_x(s.get("radix_over_gvr_prev_warm")),
             fmt_x(s.get("torch_over_gvr_prev_warm")),
             fmt_us(g("gvr_prev", "cold")), fmt_us(g("gvr", "cold")), fmt_us(g("radix", "cold")),
@@ -990,7 +993,8 @@ def run_cuda(args, meta):
     print()
     print(format_table(CUDA_HEADERS, rows))
     print("columns: ovl = measured Top-K overlap of consecutive steps; gvr+prev = method 'auto' with prev_topk = "
-          "exact Top-K of the previous step; gvr = 'auto' without prediction; radix = method 'radix'; torch = "
+          "exact Top-K of the previous step; gvr = 'auto' without prediction; GVRk+prev = the GVR kernel forced "
+          "(method 'gvr') with prev_topk; radix = method 'radix'; torch = "
           "torch.topk(x, k, dim=-1, sorted=False); w:/c: = warm/cold L2, median us; x/gvr+prev = speedup of gvr+prev")
     lines, bars = cuda_bars(cells)
     print()

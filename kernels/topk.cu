@@ -391,6 +391,37 @@ __device__ __forceinline__ uint32_t warp_boundary(const Layout &lay, int b, uint
     return hi;
 }
 
+/* min{k in [lo, hi) : f(k) >= b} (hi if none), b >= 1: the layout inverted arithmetically, then
+ * checked and stepped key by key (rounding puts the estimate within a few keys); a warp-parallel
+ * search if that does not settle. Uniform across the warp. */
+__device__ __forceinline__ uint32_t boundary(const Layout &lay, int b, uint32_t lo, uint32_t hi)
+{
+    uint64_t k;
+    if (lay.key_mode) {
+        k = (uint64_t)lay.a + (uint64_t)ceil((double)(b - 1) / lay.kscale);
+    } else {
+        const float v = lay.v0 + (float)(b - 1) / lay.inv_w;
+        k = isfinite(v) ? stored_key(v) : (uint64_t)hi;
+    }
+    if (k < lo)
+        k = lo;
+    if (k > hi)
+        k = hi;
+    for (int step = 0; step < 16; step++) {
+        const bool at = k >= hi || layout_bin(lay, (uint32_t)k) >= b;
+        if (!at) {
+            k++;
+            continue;
+        }
+        if (k > lo && layout_bin(lay, (uint32_t)(k - 1)) >= b) {
+            k--;
+            continue;
+        }
+        return (uint32_t)k;
+    }
+    return warp_boundary(lay, b, lo, hi);
+}
+
 /* GVR rounds on [a, z) until it is one key or a boundary count equals kk (see the file comment). */
 template <int C, int VEC, class KeyF>
 __device__ Interval gvr_search(Shared &s, int &par, Interval iv, int kk, bool first, bool value_ok, float center,
@@ -448,8 +479,8 @@ __device__ Interval gvr_search(Shared &s, int &par, Interval iv, int kk, bool fi
             Sb1 = s.state_i[2];
         }
         /* every warp finds the chosen bin's key range (same result everywhere) */
-        const uint32_t na = chosen == 0 ? iv.a : warp_boundary(lay, chosen, iv.a, iv.z);
-        const uint32_t nz = chosen == NB - 1 ? iv.z : warp_boundary(lay, chosen + 1, na, iv.z);
+        const uint32_t na = chosen == 0 ? iv.a : boundary(lay, chosen, iv.a, iv.z);
+        const uint32_t nz = chosen == NB - 1 ? iv.z : boundary(lay, chosen + 1, na, iv.z);
         iv.a = na;
         iv.z = nz;
         iv.ca = Sb;
@@ -841,7 +872,12 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
         while (C * THREADS * 4 * vec < p->N)
             C *= 2;
     }
-    const int method = p->method == GVR_TOPK_RADIX ? GVR_TOPK_RADIX : GVR_TOPK_GVR;
+    /* AUTO: the path measured faster on an H100 (benchmarks/RESULTS.md, 2026-11-22): the GVR kernel
+     * for a few rows of 96K..192K scores with a prediction; the radix path everywhere else, where
+     * its 2-3 digit rounds cost no more than GVR's guess plus two rounds. */
+    int method = p->method;
+    if (method == GVR_TOPK_AUTO)
+        method = (p->prev && p->Kp > 0 && p->B <= 8 && p->N >= 98304 && p->N < 196608) ? GVR_TOPK_GVR : GVR_TOPK_RADIX;
     cudaError_t e;
     switch (C) {
     case 1: e = launch_vec<1>(p, vec, method, stream); break;

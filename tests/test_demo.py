@@ -14,11 +14,12 @@ def test_demo_cpu_small():
     env = dict(os.environ)
     # The child must import the same gvr as this test session: the installed package, or the
     # in-place build when gvr is not installed (conftest.py). `python -m` puts the working
-    # directory first on sys.path, which would shadow an installed gvr with the unbuilt source
-    # tree; PYTHONSAFEPATH=1 (Python >= 3.11) drops that entry, and PYTHONPATH names gvr's home.
-    gvr_home = os.path.dirname(os.path.dirname(os.path.abspath(gvr.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (gvr_home, env.get("PYTHONPATH")) if p)
+    # directory (the repo root) first on sys.path, where the source tree would shadow an
+    # installed gvr; PYTHONSAFEPATH=1 (Python >= 3.11) drops that entry.
     env["PYTHONSAFEPATH"] = "1"
+    gvr_home = os.path.dirname(os.path.dirname(os.path.abspath(gvr.__file__)))
+    if os.path.samefile(gvr_home, REPO_ROOT):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     env["OPENBLAS_NUM_THREADS"] = "1"  # gvr.data's matmuls: no oversubscription on small CI machines
     proc = subprocess.run(
         [sys.executable, "-m", "gvr", "--n", "4096", "--k", "256", "--steps", str(steps), "--device", "cpu"],
