@@ -10,7 +10,7 @@
 typedef struct {
     int (*abi_version)(void);
     const char *(*last_error)(void);
-    int (*set_device)(int device);
+    int (*set_device)(int device, int *previous);
     size_t (*topk_workspace_size)(const gvr_topk_params *p);
     int (*topk_decode)(const gvr_topk_params *p, void *ws, size_t ws_bytes, void *stream);
     int (*synchronize)(void *stream);

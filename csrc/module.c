@@ -339,7 +339,12 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
                     PyErr_NoMemory();
                     goto fail;
                 }
-                if (cu->set_device(sc.device_id) || cu->copy_to_host(len_copy, ln.data, (size_t)B * 4, (void *)stream)) {
+                int prev_dev = -1;
+                int bad = cu->set_device(sc.device_id, &prev_dev) ||
+                          cu->copy_to_host(len_copy, ln.data, (size_t)B * 4, (void *)stream);
+                if (prev_dev >= 0)
+                    cu->set_device(prev_dev, NULL);
+                if (bad) {
                     gvr_cuda_raise("reading 'lengths'");
                     goto fail;
                 }
@@ -360,14 +365,16 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
                          (long long)N);
             goto fail;
         }
-        int rc;
-        if (cu->set_device(sc.device_id)) {
+        int rc, prev_dev = -1;
+        if (cu->set_device(sc.device_id, &prev_dev)) {
             gvr_cuda_raise("selecting the CUDA device");
             goto fail;
         }
         Py_BEGIN_ALLOW_THREADS
         rc = cu->topk_decode(&p, NULL, 0, (void *)stream);
         Py_END_ALLOW_THREADS
+        if (prev_dev >= 0 && prev_dev != sc.device_id)
+            cu->set_device(prev_dev, NULL); /* leave the caller's current device as it was */
         if (rc) {
             gvr_cuda_raise("gvr_topk_decode");
             goto fail;

@@ -4,9 +4,16 @@ gvr.topk_decode  exact Top-K of indexer scores, warm-started by the previous ste
 gvr.TopKDecoder  per-layer decode-loop state (previous Top-K buffers), CUDA-graph friendly
 gvr.data         deterministic workload generators (decode traces, i.i.d., adversarial rows)
 """
-from . import _C
+try:
+    from . import _C
+except ImportError as e:  # pragma: no cover - depends on how gvr is run
+    raise ImportError(
+        "gvr's C extension is missing: this imports gvr from its unbuilt source tree. Run from another "
+        "directory (to use the installed package) or build in place: python setup.py build_ext --inplace"
+    ) from e
 from ._ops import topk_decode
 from .decoder import TopKDecoder
+from . import data
 
 __version__ = "0.1.0"
 __all__ = ["topk_decode", "TopKDecoder", "cuda_available", "build_info", "set_num_threads", "get_num_threads"]

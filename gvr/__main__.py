@@ -118,12 +118,21 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     info = gvr.build_info()
     torch = torch_cuda() if a.device in ("auto", "cuda") else None
-    cuda_ok = torch is not None and gvr.cuda_available()
-    if a.device == "cuda" and not cuda_ok:
-        why = "torch with a CUDA device is not available" if torch is None else info["cuda_error"]
+    why = None
+    if torch is None:
+        why = "torch with a CUDA device is not available"
+    elif not gvr.cuda_available():
+        why = info["cuda_error"]
+    else:
+        try:  # the library loads; can it run on this GPU (its architecture built in)?
+            gvr.topk_decode(torch.zeros(1, 8, device="cuda"), 1)
+            torch.cuda.synchronize()
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+    if a.device == "cuda" and why is not None:
         print(f"python -m gvr: --device cuda: {why}", file=sys.stderr)
         return 2
-    device = "cuda" if cuda_ok else "cpu"
+    device = "cuda" if why is None else "cpu"
     gvr.set_num_threads(a.threads)
 
     print(f"gvr {gvr.__version__}: exact decode-time Top-K warm-started by the previous step's Top-K")
@@ -132,15 +141,21 @@ def main(argv=None) -> int:
     else:
         threads = f"{a.threads} thread{'s' if a.threads != 1 else ''} for gvr"
         print(f"device: cpu ({cpu_name()}, {os.cpu_count()} cores, {threads})")
+        if torch is not None:
+            print(f"  (CUDA not used: {why})")
     if info["cuda"]:
-        print(f"CUDA library: available ({info['cuda_library']})")
+        print(f"CUDA library: built and loads ({info['cuda_library']})")
     else:
         print(f"CUDA library: not available: {info['cuda_error']}")
 
     t0 = time.perf_counter()
     rows = list(gvr.data.decode_trace(n=a.n, steps=a.steps, k=a.k, overlap=a.overlap, seed=a.seed))
+    dt = time.perf_counter() - t0
     print(f"trace: gvr.data.decode_trace(n={a.n}, steps={a.steps}, k={a.k}, overlap={a.overlap}, "
-          f"seed={a.seed}) in {time.perf_counter() - t0:.1f} s")
+          f"seed={a.seed}) in {dt:.1f} s")
+    if dt > 5 * (a.n * (a.steps + 16)) / (65536 * 24) + 2 and "OPENBLAS_NUM_THREADS" not in os.environ:
+        # gvr.data's many small NumPy matmuls suffer when BLAS threads compete for busy cores
+        print("  (slow: on a busy machine, OPENBLAS_NUM_THREADS=1 python -m gvr generates it faster)")
 
     if device == "cpu":
         reps = 10
@@ -192,7 +207,8 @@ def main(argv=None) -> int:
         prev, prev_host = cur, cur_host
 
     base = "argpartition" if device == "cpu" else "torch.topk"
-    which = "steps 1.." + str(a.steps - 1) + " (with prediction)" if a.steps > 1 else "step 0"
+    which = {1: "step 0 (no prediction)", 2: "step 1 (with prediction)"}.get(
+        a.steps, f"steps 1..{a.steps - 1} (with prediction)")
     print(f"summary: median speedup over {base}, {which}: {statistics.median(speedups):.2f}x; "
           f"all exact: {'yes' if all_exact else 'no'}")
     return 0 if all_exact else 1

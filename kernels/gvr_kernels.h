@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 1
+#define GVR_ABI_VERSION 2
 
 /* Top-K method selector: AUTO picks the fastest exact path for (B, N, k, prediction present). */
 enum { GVR_TOPK_AUTO = 0, GVR_TOPK_GVR = 1, GVR_TOPK_RADIX = 2 };
@@ -47,8 +47,9 @@ typedef struct {
 
 int gvr_cuda_abi_version(void);
 const char *gvr_cuda_last_error(void);
-/* Make device the calling thread's current device (the device of the buffers of the next call). */
-int gvr_cuda_set_device(int device);
+/* Make device the calling thread's current device (the device of the buffers of the next call);
+ * *previous receives the device that was current, so the caller can restore it. */
+int gvr_cuda_set_device(int device, int *previous);
 /* Wait for the stream's work (used only by the opt-in GVR_CHECK=1 validation and by tests). */
 int gvr_cuda_synchronize(void *stream);
 /* Copy n bytes from device to host, ordered on stream, and wait (GVR_CHECK=1 validation only). */

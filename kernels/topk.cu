@@ -806,11 +806,15 @@ __attribute__((visibility("default"))) int gvr_debug_clocks(long long *host)
 
 __attribute__((visibility("default"))) const char *gvr_cuda_last_error(void) { return g_last_error; }
 
-__attribute__((visibility("default"))) int gvr_cuda_set_device(int device)
+__attribute__((visibility("default"))) int gvr_cuda_set_device(int device, int *previous)
 {
     int cur = -1;
     cudaError_t e = cudaGetDevice(&cur);
-    if (e == cudaSuccess && cur == device)
+    if (e != cudaSuccess)
+        return set_error("cudaGetDevice", e);
+    if (previous)
+        *previous = cur;
+    if (cur == device)
         return 0;
     e = cudaSetDevice(device);
     return e == cudaSuccess ? 0 : set_error("cudaSetDevice", e);
@@ -872,12 +876,10 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
         while (C * THREADS * 4 * vec < p->N)
             C *= 2;
     }
-    /* AUTO: the path measured faster on an H100 (benchmarks/RESULTS.md, 2026-11-22): the GVR kernel
-     * for a few rows of 96K..192K scores with a prediction; the radix path everywhere else, where
-     * its 2-3 digit rounds cost no more than GVR's guess plus two rounds. */
-    int method = p->method;
-    if (method == GVR_TOPK_AUTO)
-        method = (p->prev && p->Kp > 0 && p->B <= 8 && p->N >= 98304 && p->N < 196608) ? GVR_TOPK_GVR : GVR_TOPK_RADIX;
+    /* AUTO: the radix path. On an H100 (benchmarks/RESULTS.md, 2026-11-22) the GVR kernel matched it
+     * only in single-row cells of 16K-32K and lost elsewhere (its guess plus two rounds cost as much as
+     * the 2-3 radix digit rounds): a prediction never makes a call slower than without one. */
+    const int method = p->method == GVR_TOPK_GVR ? GVR_TOPK_GVR : GVR_TOPK_RADIX;
     cudaError_t e;
     switch (C) {
     case 1: e = launch_vec<1>(p, vec, method, stream); break;

@@ -12,7 +12,7 @@ grep -E "gvr build: [✓✗]|rror" "$OUT/build.log" | head -20
 cd tests
 timeout 400 python3 -m pytest -x -q -p no:cacheprovider test_topk_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 cd ..
-if [ "$mode" != "quick" ]; then
+if [ "$mode" = "full" ]; then
   for tool in memcheck racecheck; do
     (cd /tmp && timeout 60 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$OLDPWD/scripts/sanitize_case.py") > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
@@ -23,7 +23,7 @@ if [ -f benchmarks/bench_topk.py ] && [ "$mode" = "full" ]; then
 else
   (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee "$OUT/quick_bench.log"
 fi
-if [ "$mode" = "profile" ] || [ "$mode" = "quick" ]; then
+if [ "$mode" = "profile" ]; then
   LIB=$(cd /tmp && python3 -c "import gvr; print(gvr.build_info()['cuda_library'])")
   cp "$LIB" /tmp/libgvr_cuda.release.so
   nvcc -O3 -std=c++17 -DGVR_PROFILE -gencode=arch=compute_${GVR_CUDA_ARCHS},code=sm_${GVR_CUDA_ARCHS} -Xcompiler -fPIC -shared --cudart=static -o "$LIB" kernels/topk.cu \

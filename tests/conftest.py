@@ -421,16 +421,19 @@ def run_isolated(module: str, func: str, timeout: float = 120.0):
 
     Fails the calling test with the child's output if the child crashed (signal), raised, or hung.
     """
+    import gvr as _gvr  # the child must import the same gvr as this session (installed or in place)
+
+    gvr_parent = os.path.dirname(os.path.dirname(os.path.abspath(_gvr.__file__)))
     code = (
-        "import sys; sys.path.insert(0, {tests!r}); sys.path.insert(1, {root!r})\n"
+        "import sys; sys.path[:0] = [{root!r}, {tests!r}]\n"
         "import importlib\n"
         "m = importlib.import_module({module!r})\n"
         "getattr(m, {func!r})()\n"
         "print('ISOLATED-OK')\n"
-    ).format(tests=TESTS_DIR, root=REPO_ROOT, module=module, func=func)
+    ).format(tests=TESTS_DIR, root=gvr_parent, module=module, func=func)
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-c", code], cwd=TESTS_DIR, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired as e:  # pragma: no cover
         pytest.fail(f"{module}.{func} hung for {timeout}s\n{e.stdout}\n{e.stderr}")
