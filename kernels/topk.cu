@@ -16,14 +16,16 @@
  * elements inside [a, z) (few after the first round) in shared memory, sums the histograms over the
  * cluster through distributed shared memory (one cluster barrier), and keeps the bin that holds the
  * kk-th key. It ends when [a, z) is one key (or a boundary has count exactly kk).
- *  - GVR (paper 000, sections 4-5): the first round's 64 bin edges come from statistics of the scores
- *    at the previous step's Top-K (mean +- 2.5 std: "guess"), later edges from secant interpolation
- *    between the bracketing counts ("verify"), concentrated where the linear model puts the kk-th
- *    count, plus evenly spaced key-space edges so every round shrinks [a, z) at least 17-fold: exact
- *    termination is guaranteed, and no non-exact fallback exists. Without a usable prediction the
- *    statistics come from a strided sample of the row and the first edges sit around the sample's
- *    normal quantile for kk/len.
- *  - Radix (the production design): bins are 11/11/10-bit digits of the key.
+ *  - GVR (paper 000, sections 4-5, adapted): phase 1 ("guess") reduces the scores at the previous
+ *    step's Top-K to a mean and spread (a strided sample of the row and its normal quantile for kk/len
+ *    when there is no usable prediction); each round then bins [a, z) into 511 bins by a monotone
+ *    arithmetic map (evenly in value around the guess first, then evenly over the bracket's values,
+ *    evenly in key space for non-finite brackets and after 6 rounds), so a round resolves ~9 bits of
+ *    the relevant value range: typically 2 rounds to the exact k-th key ("verify" + "refine" by
+ *    counting; no candidate buffer, no non-exact fallback, termination guaranteed by the key-space
+ *    rounds).
+ *  - Radix (the production design): bins are 11/11/10-bit digits of the key. AUTO dispatches here
+ *    (measured faster or equal on an H100, benchmarks/RESULTS.md).
  * Ties at the k-th key: the same rounds search the index bound among elements equal to it (the kk-th
  * key's lowest indices win), on pseudo-keys len - idx.
  * Output: each CTA's selected count -> block scan + cluster prefix -> ordered, deterministic writes.
