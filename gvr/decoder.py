@@ -32,6 +32,8 @@ class TopKDecoder:
 
             self._bufs = [[np.full((max_batch, k), -1, np.int32) for _ in range(2)] for _ in range(num_layers)]
             self.device = "cpu"
+        elif not dev.startswith("cuda"):
+            raise ValueError(f"'device' must be 'cpu' or a CUDA device, got {device!r}")
         else:
             try:
                 import torch
