@@ -138,13 +138,24 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", NULL};
     PyObject *o_scores, *o_k, *o_prev = Py_None, *o_len = Py_None, *o_out = Py_None, *o_sorted = Py_False,
                                  *o_stream = Py_None;
-    const char *method_s = "auto";
+    PyObject *o_method = NULL;
     gvr_view sc = {0}, pv = {0}, ln = {0}, ot = {0};
     int32_t *len_copy = NULL;
     PyObject *result = NULL, *own_out = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOs:topk_decode", kwlist, &o_scores, &o_k, &o_prev,
-                                     &o_len, &o_out, &o_sorted, &o_stream, &method_s))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOO:topk_decode", kwlist, &o_scores, &o_k, &o_prev,
+                                     &o_len, &o_out, &o_sorted, &o_stream, &o_method))
         return NULL;
+    const char *method_s = "auto";
+    if (o_method && o_method != Py_None) {
+        if (!PyUnicode_Check(o_method)) {
+            PyErr_Format(PyExc_TypeError, "'method' must be a str ('auto', 'gvr' or 'radix'), got %s",
+                         Py_TYPE(o_method)->tp_name);
+            return NULL;
+        }
+        method_s = PyUnicode_AsUTF8(o_method);
+        if (!method_s)
+            return NULL;
+    }
     int method;
     if (!strcmp(method_s, "auto"))
         method = GVR_TOPK_AUTO;

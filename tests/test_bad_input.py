@@ -346,3 +346,16 @@ def test_cuda_only_call_without_gpu():
 
 def test_unsupported_device_types():
     run_isolated("test_bad_input", "_iso_unsupported_devices")
+
+
+def test_bad_method_and_stream_named_and_nothing_written():
+    x = np.random.default_rng(1).standard_normal((2, 50)).astype(np.float32)
+    x0 = x.copy()
+    out = np.full((2, 4), -7, np.int32)
+    with pytest.raises(ValueError, match="method"):
+        gvr.topk_decode(x, 4, out=out, method="fastest")
+    with pytest.raises(TypeError, match="method"):
+        gvr.topk_decode(x, 4, out=out, method=3)
+    with pytest.raises(TypeError, match="stream"):
+        gvr.topk_decode(x, 4, out=out, stream="default")
+    assert np.array_equal(x, x0) and (out == -7).all()
