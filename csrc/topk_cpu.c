@@ -4,22 +4,31 @@
  * index. Mapping every float to a sortable 32-bit key (gvr_float_key) makes this the order of
  * (key descending, index ascending).
  *
- * Per row of length L, kk = min(k, L):
- *  1. Guess: a sample of the row's values: the values at the predicted indices (prev_topk entries in
- *     [0, L)), or, without a usable prediction, a strided sample. The first threshold is the
- *     sample's median for a prediction (our reading of the paper's "pre-indexed statistics": the
- *     previous Top-K straddles the current k-th value) or the sample quantile at rank kk*m/L.
+ * Per row of length L, kk = min(k, L), window W = max(kk, 64):
+ *  1. Guess: a strided sample of 1024 keys; the first threshold is its quantile at rank about
+ *     (kk + W/2) * m / L (measured on the decode traces, this lands in the window more often than
+ *     any fixed rank of the predicted values). The values at the predicted indices (prev_topk
+ *     entries in [0, L)) are gathered only if that guess misses: dense near the k-th value, they
+ *     steer the refinement.
  *  2. Verify: exact counts c(t) = #{x >= t} by a vectorized pass; next thresholds by secant
  *     interpolation between the bracketing counts, or, while only one side is known, by the
  *     sample anchored at the measured count (the sample gives the shape of the distribution, the
  *     pass its scale); bisection in key space when the secant stalls. Stops when
  *     kk <= c(t) <= kk + W. Key-space bisection over 2^32 keys guarantees termination.
- *  3. Collect the c(t) candidates (x >= t) in index order, one pass.
- *  4. Refine: radix-select the kk-th largest key v among the candidates; emit every candidate with
- *     key > v, then the lowest-index candidates with key == v until kk are emitted. Exact for any
- *     threshold with c(t) >= kk, so ties, -inf and NaN need no special path (a row with fewer than
- *     kk non-NaN values takes threshold key 0: every element is a candidate).
- * Optional sort: stable LSD radix sort of the kk (key, index) pairs by key descending.
+ *  3. Collect: a pass that is expected to land in the window collects while it counts, so in the
+ *     common case the row is read exactly once: per 64 elements a 64-bit compare mask whose set bits
+ *     become indices by branch-free tzcnt/blsr stores. The candidates' keys are then gathered.
+ *  4. Refine: the kk-th largest key v among the c candidates by radix select on key - min over the
+ *     candidates' own key range (the first 11-bit digit already separates them, one histogram over
+ *     the c keys plus a vectorized pick of the one bucket that holds v, then a few keys); emit every
+ *     candidate with key > v (AVX2: compare, movemask, vpermd compress from a 256-entry table), then
+ *     the lowest-index candidates with key == v until kk are emitted. Exact for any threshold with
+ *     c(t) >= kk, so ties, -inf and NaN need no special path (a row with fewer than kk non-NaN
+ *     values takes threshold key 0: every element is a candidate).
+ * The sample quantiles use the same radix select. Output order (unsorted): the candidates above v
+ * in index order, then the ties in index order. Optional sort: stable LSD radix sort of the kk
+ * (key, index) pairs by key descending.
+ * The AVX2 paths (runtime check, use_avx2) and the scalar fallbacks give identical results.
  */
 #include "topk_cpu.h"
 
@@ -107,39 +116,70 @@ __attribute__((target("avx2"))) static int64_t count_ge_avx2(const float *x, int
     return total + count_ge_scalar(x + i, n - i, t);
 }
 
-/* Count and collect in one pass: most 32-blocks hold no candidate, and one OR of four compares
- * skips them. Indices beyond cap are counted, not stored. */
-__attribute__((target("avx2,bmi"))) static int64_t collect_ge_avx2(const float *x, int64_t n, float t,
-                                                                    int32_t *idx, int64_t cap)
+/* Bit i of the result: x[i] >= t, for the 64 elements at x. The eight compare masks are narrowed
+ * to bytes by saturating packs (which interleave the 128-bit lanes; vpermd restores the order) so
+ * that two byte-movemasks give all 64 bits. */
+__attribute__((target("avx2"))) static inline uint64_t mask64_ge_avx2(const float *x, __m256 tv)
+{
+    __m256i c[8];
+    for (int j = 0; j < 8; j++)
+        c[j] = _mm256_castps_si256(_mm256_cmp_ps(_mm256_loadu_ps(x + 8 * j), tv, _CMP_GE_OQ));
+    /* bytes per 128-bit lane of q0: lane 0 = c0[0..3] c1[0..3] c2[0..3] c3[0..3], lane 1 = [4..7] */
+    __m256i q0 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    __m256i q1 = _mm256_packs_epi16(_mm256_packs_epi32(c[4], c[5]), _mm256_packs_epi32(c[6], c[7]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    q0 = _mm256_permutevar8x32_epi32(q0, order);
+    q1 = _mm256_permutevar8x32_epi32(q1, order);
+    return (uint64_t)(uint32_t)_mm256_movemask_epi8(q0) | (uint64_t)(uint32_t)_mm256_movemask_epi8(q1) << 32;
+}
+
+/* Count and collect in one pass, without data-dependent branches in the common case: per block of
+ * 64 elements a 64-bit mask, whose set bits become indices four at a time by unconditional stores
+ * (tzcnt of an empty mask gives 64: a harmless entry past the count that the next store
+ * overwrites); the output advances by the popcount. A block with more than four candidates loops
+ * on. This needs idx[m..m+64) writable, so near cap the stores become checked ones. Candidates
+ * beyond cap are counted, not stored. (The volatile store keeps GCC from packing the four stores
+ * into one vector store, which costs more here.) */
+#define GVR_FLATTEN_ONE(j)                                                                                   \
+    do {                                                                                                   \
+        ((volatile int32_t *)o)[j] = base + (int32_t)_tzcnt_u64(bits);                                     \
+        bits = _blsr_u64(bits);                                                                            \
+    } while (0)
+__attribute__((target("avx2,bmi,popcnt"))) static int64_t collect_ge_avx2(const float *x, int64_t n, float t,
+                                                                           int32_t *idx, int64_t cap)
 {
     const __m256 tv = _mm256_set1_ps(t);
     int64_t m = 0, i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m256 c0 = _mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GE_OQ);
-        __m256 c1 = _mm256_cmp_ps(_mm256_loadu_ps(x + i + 8), tv, _CMP_GE_OQ);
-        __m256 c2 = _mm256_cmp_ps(_mm256_loadu_ps(x + i + 16), tv, _CMP_GE_OQ);
-        __m256 c3 = _mm256_cmp_ps(_mm256_loadu_ps(x + i + 24), tv, _CMP_GE_OQ);
-        __m256 any = _mm256_or_ps(_mm256_or_ps(c0, c1), _mm256_or_ps(c2, c3));
-        if (_mm256_testz_ps(any, any))
-            continue;
-        uint32_t bits = (uint32_t)_mm256_movemask_ps(c0) | (uint32_t)_mm256_movemask_ps(c1) << 8 |
-                        (uint32_t)_mm256_movemask_ps(c2) << 16 | (uint32_t)_mm256_movemask_ps(c3) << 24;
-        if (m + 32 <= cap) {
-            while (bits) {
-                idx[m++] = (int32_t)(i + __builtin_ctz(bits));
-                bits &= bits - 1;
-            }
-        } else {
-            while (bits) {
-                if (m < cap)
-                    idx[m] = (int32_t)(i + __builtin_ctz(bits));
-                m++;
-                bits &= bits - 1;
-            }
+    for (; i + 64 <= n && m + 64 <= cap; i += 64) {
+        uint64_t bits = mask64_ge_avx2(x + i, tv);
+        int32_t *o = idx + m;
+        const int32_t base = (int32_t)i;
+        m += (int64_t)_mm_popcnt_u64(bits);
+        do {
+            GVR_FLATTEN_ONE(0);
+            GVR_FLATTEN_ONE(1);
+            GVR_FLATTEN_ONE(2);
+            GVR_FLATTEN_ONE(3);
+            o += 4;
+        } while (bits);
+    }
+    for (; i + 64 <= n && m < cap; i += 64) {
+        uint64_t bits = mask64_ge_avx2(x + i, tv);
+        while (bits) {
+            if (m < cap)
+                idx[m] = (int32_t)i + (int32_t)_tzcnt_u64(bits);
+            m++;
+            bits = _blsr_u64(bits);
         }
+    }
+    if (i + 64 <= n) { /* full: count the rest */
+        int64_t rest = (n - i) & ~(int64_t)63;
+        m += count_ge_avx2(x + i, rest, t);
+        i += rest;
     }
     return collect_ge_scalar_from(x, i, n, t, idx, m, cap);
 }
+#undef GVR_FLATTEN_ONE
 #endif
 
 static int use_avx2(void)
@@ -147,7 +187,7 @@ static int use_avx2(void)
 #ifdef GVR_X86
     static int cached = -1;
     if (cached < 0)
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi");
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("popcnt");
     return cached;
 #else
     return 0;
@@ -163,7 +203,7 @@ static int64_t count_ge(const float *x, int64_t n, float t)
     return count_ge_scalar(x, n, t);
 }
 
-/* #{i : x[i] >= t}, storing the first cap such indices (ascending) in idx. */
+/* #{i : x[i] >= t}, storing the first cap such indices (ascending) in idx (room for cap + 64). */
 static int64_t collect_ge(const float *x, int64_t n, float t, int32_t *idx, int64_t cap)
 {
 #ifdef GVR_X86
@@ -171,39 +211,6 @@ static int64_t collect_ge(const float *x, int64_t n, float t, int32_t *idx, int6
         return collect_ge_avx2(x, n, t, idx, cap);
 #endif
     return collect_ge_scalar_from(x, 0, n, t, idx, 0, cap);
-}
-
-/* The r-th largest (r >= 1) of v[0..m) by key; v is reordered. Iterative quickselect with a
- * median-of-three pivot, deterministic. */
-static uint32_t select_rank(uint32_t *v, int64_t m, int64_t r)
-{
-    int64_t lo = 0, hi = m - 1, want = r - 1; /* position in descending order */
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        uint32_t a = v[lo], b = v[mid], c = v[hi];
-        uint32_t piv = (a > b) ? ((b > c) ? b : (a > c ? c : a)) : ((a > c) ? a : (b > c ? c : b));
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (v[i] > piv)
-                i++;
-            while (v[j] < piv)
-                j--;
-            if (i <= j) {
-                uint32_t t = v[i];
-                v[i] = v[j];
-                v[j] = t;
-                i++;
-                j--;
-            }
-        }
-        if (want <= j)
-            hi = j;
-        else if (want >= i)
-            lo = i;
-        else
-            return v[want];
-    }
-    return v[want];
 }
 
 /* #{s in sample : s >= t} */
@@ -215,44 +222,213 @@ static int64_t sample_rank(const uint32_t *s, int64_t m, uint32_t t)
     return r;
 }
 
-/* The kk-th largest key among keys[0..c) (kk <= c), and how many keys are strictly larger.
- * Radix select with 11/11/10-bit digits; after each digit only the keys in the chosen bucket are
- * kept (in tmp, room for c), so later passes touch few keys. */
-static uint32_t radix_kth(const uint32_t *keys, int64_t c, int64_t kk, int64_t *greater, uint32_t *tmp)
+/* Copies the keys of src[0..n) in [lo, lo + width - 1] (width >= 1, lo + width - 1 without
+ * overflow) to dst, in order; returns how many. */
+static int64_t keep_range_scalar(const uint32_t *src, int64_t n, uint32_t lo, uint32_t width, uint32_t *dst)
 {
-    static const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
-    int32_t hist[2048];
-    const uint32_t *src = keys;
-    uint32_t prefix = 0;
-    int64_t need = kk, gt = 0, n = c;
-    for (int d = 0; d < 3; d++) {
-        int nb = 1 << widths[d];
-        uint32_t dm = (uint32_t)nb - 1;
-        memset(hist, 0, (size_t)nb * sizeof hist[0]);
-        for (int64_t i = 0; i < n; i++)
-            hist[(src[i] >> shifts[d]) & dm]++;
-        int b = nb - 1;
-        int64_t acc = 0;
-        for (; b > 0; b--) {
-            if (acc + hist[b] >= need)
-                break;
-            acc += hist[b];
-        }
-        need -= acc;
-        gt += acc;
-        prefix |= (uint32_t)b << shifts[d];
-        if (d < 2) {
-            int64_t w = 0;
-            for (int64_t i = 0; i < n; i++) {
-                tmp[w] = src[i];
-                w += ((src[i] >> shifts[d]) & dm) == (uint32_t)b;
-            }
-            n = w;
-            src = tmp;
+    int64_t w = 0;
+    for (int64_t i = 0; i < n; i++) {
+        dst[w] = src[i];
+        w += src[i] - lo < width;
+    }
+    return w;
+}
+
+#ifdef GVR_X86
+/* The kept keys are few (one bucket of a histogram): eight compares and a movemask skip the rest. */
+__attribute__((target("avx2"))) static int64_t keep_range_avx2(const uint32_t *src, int64_t n, uint32_t lo,
+                                                               uint32_t width, uint32_t *dst)
+{
+    const __m256i sign = _mm256_set1_epi32((int32_t)0x80000000u), vlo = _mm256_set1_epi32((int32_t)lo),
+                  vw = _mm256_set1_epi32((int32_t)(width ^ 0x80000000u));
+    int64_t w = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i d = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(src + i)), vlo);
+        __m256i in = _mm256_cmpgt_epi32(vw, _mm256_xor_si256(d, sign)); /* unsigned d < width */
+        unsigned m = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(in));
+        while (m) {
+            dst[w++] = src[i + __builtin_ctz(m)];
+            m &= m - 1;
         }
     }
+    return w + keep_range_scalar(src + i, n - i, lo, width, dst + w);
+}
+#endif
+
+static int64_t keep_range(const uint32_t *src, int64_t n, uint32_t lo, uint32_t width, uint32_t *dst)
+{
+#ifdef GVR_X86
+    if (use_avx2())
+        return keep_range_avx2(src, n, lo, width, dst);
+#endif
+    return keep_range_scalar(src, n, lo, width, dst);
+}
+
+/* Number of significant bits of v (0 for 0). */
+static inline int bit_length(uint64_t v)
+{
+#if defined(__GNUC__)
+    return v ? 64 - __builtin_clzll(v) : 0;
+#else
+    int b = 0;
+    for (; v; v >>= 1)
+        b++;
+    return b;
+#endif
+}
+
+/* The need-th largest (1 <= need <= n) of keys[0..n), all of them in [lo, hi], and how many keys
+ * are strictly larger. Radix select on key - lo: each round histograms the next bits below the top
+ * bit of the remaining range hi - lo (up to 11, fewer for few keys), so the first round already
+ * splits the candidates although they share their high bits; it finds the bucket holding the answer
+ * by a scan from the nearer end and keeps only that bucket's keys (in tmp, room for n). A range of
+ * one key ends it, and so do a handful of keys, by insertion sort. Two interleaved histograms keep
+ * repeated buckets from serializing the increments. */
+static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t need, uint32_t lo, uint32_t hi,
+                            int64_t *greater, uint32_t *tmp)
+{
+    int32_t hist[2][2048];
+    const uint32_t *src = keys;
+    int64_t gt = 0;
+    while (lo < hi) {
+        if (n <= 16) {
+            uint32_t a[16];
+            for (int64_t i = 0; i < n; i++) {
+                uint32_t e = src[i];
+                int64_t j = i;
+                while (j > 0 && a[j - 1] < e) {
+                    a[j] = a[j - 1];
+                    j--;
+                }
+                a[j] = e;
+            }
+            uint32_t v = a[need - 1];
+            int64_t j = need - 1;
+            while (j > 0 && a[j - 1] == v)
+                j--;
+            *greater = gt + j;
+            return v;
+        }
+        const uint32_t span = hi - lo;
+        const int top = bit_length(span);           /* bits of the range, >= 1 */
+        const int want = bit_length((uint64_t)n); /* about log2(n) + 1 */
+        const int width = want < 11 ? (want > 4 ? want : 4) : 11;
+        const int shift = top > width ? top - width : 0;
+        const int nb = (int)(span >> shift) + 1;
+        memset(hist[0], 0, (size_t)nb * sizeof hist[0][0]);
+        memset(hist[1], 0, (size_t)nb * sizeof hist[1][0]);
+        int64_t i = 0;
+        for (; i + 2 <= n; i += 2) {
+            hist[0][(src[i] - lo) >> shift]++;
+            hist[1][(src[i + 1] - lo) >> shift]++;
+        }
+        if (i < n)
+            hist[0][(src[i] - lo) >> shift]++;
+        int b;
+        int64_t above, in_b;
+        if (2 * need <= n) { /* near the top: scan down */
+            int64_t acc = 0;
+            for (b = nb - 1;; b--) {
+                in_b = hist[0][b] + hist[1][b];
+                if (acc + in_b >= need)
+                    break;
+                acc += in_b;
+            }
+            above = acc;
+        } else { /* scan up to rank n - need + 1 from the bottom */
+            const int64_t rb = n - need + 1;
+            int64_t acc = 0;
+            for (b = 0;; b++) {
+                in_b = hist[0][b] + hist[1][b];
+                if (acc + in_b >= rb)
+                    break;
+                acc += in_b;
+            }
+            above = n - acc - in_b;
+        }
+        gt += above;
+        need -= above;
+        const uint32_t nlo = lo + ((uint32_t)b << shift);
+        const uint64_t nhi = (uint64_t)nlo + (((uint64_t)1 << shift) - 1);
+        if (in_b < n) {
+            n = keep_range(src, n, nlo, (uint32_t)1 << shift, tmp);
+            src = tmp;
+        }
+        lo = nlo;
+        hi = nhi < hi ? (uint32_t)nhi : hi;
+    }
     *greater = gt;
-    return prefix;
+    return lo;
+}
+
+/* The r-th largest (1 <= r <= m) of v[0..m) (tmp: room for m). */
+static uint32_t sample_select(const uint32_t *v, int64_t m, int64_t r, uint32_t *tmp)
+{
+    uint32_t lo = 0xFFFFFFFFu, hi = 0;
+    for (int64_t i = 0; i < m; i++) {
+        lo = v[i] < lo ? v[i] : lo;
+        hi = v[i] > hi ? v[i] : hi;
+    }
+    int64_t g;
+    return kth_largest(v, m, r, lo, hi, &g, tmp);
+}
+
+/* keys[i] = gvr_float_key(x[idx[i]]) for i < n; *kmin, *kmax: their range (n >= 1). */
+static void keys_of_scalar(const float *x, const int32_t *idx, int64_t n, uint32_t *keys, uint32_t *kmin,
+                           uint32_t *kmax)
+{
+    uint32_t lo = 0xFFFFFFFFu, hi = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t k = gvr_float_key(x[idx[i]]);
+        keys[i] = k;
+        lo = k < lo ? k : lo;
+        hi = k > hi ? k : hi;
+    }
+    *kmin = lo;
+    *kmax = hi;
+}
+
+#ifdef GVR_X86
+__attribute__((target("avx2"))) static void keys_of_avx2(const float *x, const int32_t *idx, int64_t n, uint32_t *keys,
+                                                         uint32_t *kmin, uint32_t *kmax)
+{
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000),
+                  sign = _mm256_set1_epi32((int32_t)0x80000000u);
+    __m256i vlo = _mm256_set1_epi32(-1), vhi = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i b = _mm256_castps_si256(_mm256_i32gather_ps(x, _mm256_loadu_si256((const __m256i *)(idx + i)), 4));
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs_mask), inf);
+        b = _mm256_andnot_si256(_mm256_cmpeq_epi32(b, sign), b); /* -0 -> +0 */
+        /* negative: ~b; otherwise b | sign */
+        __m256i k = _mm256_xor_si256(b, _mm256_or_si256(_mm256_srai_epi32(b, 31), sign));
+        k = _mm256_andnot_si256(nan, k);
+        _mm256_storeu_si256((__m256i *)(keys + i), k);
+        vlo = _mm256_min_epu32(vlo, k);
+        vhi = _mm256_max_epu32(vhi, k);
+    }
+    uint32_t l[8], h[8], lo, hi;
+    _mm256_storeu_si256((__m256i *)l, vlo);
+    _mm256_storeu_si256((__m256i *)h, vhi);
+    keys_of_scalar(x, idx + i, n - i, keys + i, &lo, &hi);
+    for (int j = 0; j < 8; j++) {
+        lo = l[j] < lo ? l[j] : lo;
+        hi = h[j] > hi ? h[j] : hi;
+    }
+    *kmin = lo;
+    *kmax = hi;
+}
+#endif
+
+static void keys_of(const float *x, const int32_t *idx, int64_t n, uint32_t *keys, uint32_t *kmin, uint32_t *kmax)
+{
+#ifdef GVR_X86
+    if (use_avx2()) {
+        keys_of_avx2(x, idx, n, keys, kmin, kmax);
+        return;
+    }
+#endif
+    keys_of_scalar(x, idx, n, keys, kmin, kmax);
 }
 
 /* Stable sort of (key, idx) pairs by key descending (so equal keys stay in ascending index). */
@@ -283,6 +459,143 @@ static void sort_desc(uint32_t *key, int32_t *idx, int64_t n, uint32_t *key_tmp,
     }
 }
 
+/* Emit the selection in the order of the candidates (ascending index): every candidate with key > v
+ * (g of them) to out[0..g), then the first kk - g with key == v to out[g..kk). tmp: room for c + 8. */
+static void emit_selected_scalar(const uint32_t *key, const int32_t *idx, int64_t c, uint32_t v, int64_t g,
+                                 int64_t kk, int32_t *out, int32_t *tmp)
+{
+    (void)tmp;
+    int64_t og = 0, oe = g;
+    for (int64_t i = 0; i < c; i++) {
+        out[og] = idx[i]; /* og <= g < kk: a slot that a later store or the ties overwrite */
+        og += key[i] > v;
+    }
+    for (int64_t i = 0; i < c && oe < kk; i++)
+        if (key[i] == v)
+            out[oe++] = idx[i];
+}
+
+#ifdef GVR_X86
+/* compress_lut[m]: the positions of the set bits of m, ascending, one per byte (then zeros): the
+ * vpermd pattern that moves the selected lanes of a vector to its front. */
+static const uint64_t compress_lut[256] = {
+    0x0000000000000000u, 0x0000000000000000u, 0x0000000000000001u, 0x0000000000000100u,
+    0x0000000000000002u, 0x0000000000000200u, 0x0000000000000201u, 0x0000000000020100u,
+    0x0000000000000003u, 0x0000000000000300u, 0x0000000000000301u, 0x0000000000030100u,
+    0x0000000000000302u, 0x0000000000030200u, 0x0000000000030201u, 0x0000000003020100u,
+    0x0000000000000004u, 0x0000000000000400u, 0x0000000000000401u, 0x0000000000040100u,
+    0x0000000000000402u, 0x0000000000040200u, 0x0000000000040201u, 0x0000000004020100u,
+    0x0000000000000403u, 0x0000000000040300u, 0x0000000000040301u, 0x0000000004030100u,
+    0x0000000000040302u, 0x0000000004030200u, 0x0000000004030201u, 0x0000000403020100u,
+    0x0000000000000005u, 0x0000000000000500u, 0x0000000000000501u, 0x0000000000050100u,
+    0x0000000000000502u, 0x0000000000050200u, 0x0000000000050201u, 0x0000000005020100u,
+    0x0000000000000503u, 0x0000000000050300u, 0x0000000000050301u, 0x0000000005030100u,
+    0x0000000000050302u, 0x0000000005030200u, 0x0000000005030201u, 0x0000000503020100u,
+    0x0000000000000504u, 0x0000000000050400u, 0x0000000000050401u, 0x0000000005040100u,
+    0x0000000000050402u, 0x0000000005040200u, 0x0000000005040201u, 0x0000000504020100u,
+    0x0000000000050403u, 0x0000000005040300u, 0x0000000005040301u, 0x0000000504030100u,
+    0x0000000005040302u, 0x0000000504030200u, 0x0000000504030201u, 0x0000050403020100u,
+    0x0000000000000006u, 0x0000000000000600u, 0x0000000000000601u, 0x0000000000060100u,
+    0x0000000000000602u, 0x0000000000060200u, 0x0000000000060201u, 0x0000000006020100u,
+    0x0000000000000603u, 0x0000000000060300u, 0x0000000000060301u, 0x0000000006030100u,
+    0x0000000000060302u, 0x0000000006030200u, 0x0000000006030201u, 0x0000000603020100u,
+    0x0000000000000604u, 0x0000000000060400u, 0x0000000000060401u, 0x0000000006040100u,
+    0x0000000000060402u, 0x0000000006040200u, 0x0000000006040201u, 0x0000000604020100u,
+    0x0000000000060403u, 0x0000000006040300u, 0x0000000006040301u, 0x0000000604030100u,
+    0x0000000006040302u, 0x0000000604030200u, 0x0000000604030201u, 0x0000060403020100u,
+    0x0000000000000605u, 0x0000000000060500u, 0x0000000000060501u, 0x0000000006050100u,
+    0x0000000000060502u, 0x0000000006050200u, 0x0000000006050201u, 0x0000000605020100u,
+    0x0000000000060503u, 0x0000000006050300u, 0x0000000006050301u, 0x0000000605030100u,
+    0x0000000006050302u, 0x0000000605030200u, 0x0000000605030201u, 0x0000060503020100u,
+    0x0000000000060504u, 0x0000000006050400u, 0x0000000006050401u, 0x0000000605040100u,
+    0x0000000006050402u, 0x0000000605040200u, 0x0000000605040201u, 0x0000060504020100u,
+    0x0000000006050403u, 0x0000000605040300u, 0x0000000605040301u, 0x0000060504030100u,
+    0x0000000605040302u, 0x0000060504030200u, 0x0000060504030201u, 0x0006050403020100u,
+    0x0000000000000007u, 0x0000000000000700u, 0x0000000000000701u, 0x0000000000070100u,
+    0x0000000000000702u, 0x0000000000070200u, 0x0000000000070201u, 0x0000000007020100u,
+    0x0000000000000703u, 0x0000000000070300u, 0x0000000000070301u, 0x0000000007030100u,
+    0x0000000000070302u, 0x0000000007030200u, 0x0000000007030201u, 0x0000000703020100u,
+    0x0000000000000704u, 0x0000000000070400u, 0x0000000000070401u, 0x0000000007040100u,
+    0x0000000000070402u, 0x0000000007040200u, 0x0000000007040201u, 0x0000000704020100u,
+    0x0000000000070403u, 0x0000000007040300u, 0x0000000007040301u, 0x0000000704030100u,
+    0x0000000007040302u, 0x0000000704030200u, 0x0000000704030201u, 0x0000070403020100u,
+    0x0000000000000705u, 0x0000000000070500u, 0x0000000000070501u, 0x0000000007050100u,
+    0x0000000000070502u, 0x0000000007050200u, 0x0000000007050201u, 0x0000000705020100u,
+    0x0000000000070503u, 0x0000000007050300u, 0x0000000007050301u, 0x0000000705030100u,
+    0x0000000007050302u, 0x0000000705030200u, 0x0000000705030201u, 0x0000070503020100u,
+    0x0000000000070504u, 0x0000000007050400u, 0x0000000007050401u, 0x0000000705040100u,
+    0x0000000007050402u, 0x0000000705040200u, 0x0000000705040201u, 0x0000070504020100u,
+    0x0000000007050403u, 0x0000000705040300u, 0x0000000705040301u, 0x0000070504030100u,
+    0x0000000705040302u, 0x0000070504030200u, 0x0000070504030201u, 0x0007050403020100u,
+    0x0000000000000706u, 0x0000000000070600u, 0x0000000000070601u, 0x0000000007060100u,
+    0x0000000000070602u, 0x0000000007060200u, 0x0000000007060201u, 0x0000000706020100u,
+    0x0000000000070603u, 0x0000000007060300u, 0x0000000007060301u, 0x0000000706030100u,
+    0x0000000007060302u, 0x0000000706030200u, 0x0000000706030201u, 0x0000070603020100u,
+    0x0000000000070604u, 0x0000000007060400u, 0x0000000007060401u, 0x0000000706040100u,
+    0x0000000007060402u, 0x0000000706040200u, 0x0000000706040201u, 0x0000070604020100u,
+    0x0000000007060403u, 0x0000000706040300u, 0x0000000706040301u, 0x0000070604030100u,
+    0x0000000706040302u, 0x0000070604030200u, 0x0000070604030201u, 0x0007060403020100u,
+    0x0000000000070605u, 0x0000000007060500u, 0x0000000007060501u, 0x0000000706050100u,
+    0x0000000007060502u, 0x0000000706050200u, 0x0000000706050201u, 0x0000070605020100u,
+    0x0000000007060503u, 0x0000000706050300u, 0x0000000706050301u, 0x0000070605030100u,
+    0x0000000706050302u, 0x0000070605030200u, 0x0000070605030201u, 0x0007060503020100u,
+    0x0000000007060504u, 0x0000000706050400u, 0x0000000706050401u, 0x0000070605040100u,
+    0x0000000706050402u, 0x0000070605040200u, 0x0000070605040201u, 0x0007060504020100u,
+    0x0000000706050403u, 0x0000070605040300u, 0x0000070605040301u, 0x0007060504030100u,
+    0x0000070605040302u, 0x0007060504030200u, 0x0007060504030201u, 0x0706050403020100u,
+};
+
+/* Eight candidates at a time: compare, movemask, compress the selected indices with vpermd from
+ * compress_lut and store them whole at the output position (in tmp, which has the slack), advance by
+ * the popcount. Ties are rare: a compare-equal movemask skips the groups without one. */
+__attribute__((target("avx2,popcnt"))) static void emit_selected_avx2(const uint32_t *key, const int32_t *idx,
+                                                                      int64_t c, uint32_t v, int64_t g, int64_t kk,
+                                                                      int32_t *out, int32_t *tmp)
+{
+    const __m256i sign = _mm256_set1_epi32((int32_t)0x80000000u);
+    const __m256i vv = _mm256_set1_epi32((int32_t)v), vs = _mm256_xor_si256(vv, sign);
+    int64_t og = 0, i = 0;
+    for (; i + 8 <= c; i += 8) {
+        __m256i k = _mm256_loadu_si256((const __m256i *)(key + i));
+        __m256i gt = _mm256_cmpgt_epi32(_mm256_xor_si256(k, sign), vs); /* unsigned k > v */
+        unsigned m = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(gt));
+        __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&compress_lut[m]));
+        __m256i ix = _mm256_loadu_si256((const __m256i *)(idx + i));
+        _mm256_storeu_si256((__m256i *)(tmp + og), _mm256_permutevar8x32_epi32(ix, perm));
+        og += _mm_popcnt_u32(m);
+    }
+    for (; i < c; i++) {
+        tmp[og] = idx[i];
+        og += key[i] > v;
+    }
+    memcpy(out, tmp, (size_t)g * sizeof *out);
+    int64_t oe = g;
+    for (i = 0; i + 8 <= c && oe < kk; i += 8) {
+        __m256i eq = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(key + i)), vv);
+        unsigned m = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(eq));
+        while (m && oe < kk) {
+            out[oe++] = idx[i + __builtin_ctz(m)];
+            m &= m - 1;
+        }
+    }
+    for (; i < c && oe < kk; i++)
+        if (key[i] == v)
+            out[oe++] = idx[i];
+}
+#endif
+
+static void emit_selected(const uint32_t *key, const int32_t *idx, int64_t c, uint32_t v, int64_t g, int64_t kk,
+                          int32_t *out, int32_t *tmp)
+{
+#ifdef GVR_X86
+    if (use_avx2()) {
+        emit_selected_avx2(key, idx, c, v, g, kk, out, tmp);
+        return;
+    }
+#endif
+    emit_selected_scalar(key, idx, c, v, g, kk, out, tmp);
+}
+
 /* One search for a threshold key T with kk <= c(T) = #{x >= T}: T == 0 means every element.
  * Passes collect as they count (idx, room for cap): when the final pass's count fits, its candidates
  * are already in idx (*collected = 1). sq: strided sample (first guess: measured on the decode
@@ -292,7 +605,7 @@ static void sort_desc(uint32_t *key, int32_t *idx, int64_t n, uint32_t *key_tmp,
 typedef struct {
     const float *x;
     int64_t L, kk, W, cap;
-    uint32_t *sq, *sp;
+    uint32_t *sq, *sp, *scratch; /* scratch: room for max(1024, kp) */
     int64_t mq, mp;
     const int32_t *prev; /* gathered into sp only when the first guess misses */
     int64_t kp;
@@ -322,7 +635,7 @@ static uint32_t find_threshold(search_t *q, int32_t *idx, int64_t *count_out, in
     uint32_t t;
     if (q->mq > 0) {
         int64_t r = (int64_t)((double)target * (double)q->mq / (double)L) + 1;
-        t = select_rank(q->sq, q->mq, r < q->mq ? r : q->mq);
+        t = sample_select(q->sq, q->mq, r < q->mq ? r : q->mq, q->scratch);
     } else {
         t = KEY_NEG_INF;
     }
@@ -382,7 +695,7 @@ static uint32_t find_threshold(search_t *q, int32_t *idx, int64_t *count_out, in
                 rr = 1;
             if (rr > m)
                 rr = m;
-            nt = select_rank((uint32_t *)smp, m, rr);
+            nt = sample_select(smp, m, rr, q->scratch);
         }
         t = nt;
     }
@@ -408,9 +721,9 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
     q.kk = kk;
     q.W = kk > 64 ? kk : 64; /* candidates up to 2 kk: a wider window saves passes */
     q.cap = kk + q.W;
-    /* 1. samples: strided (first guess) and predicted (refinement) */
+    /* 1. samples: strided (first guess) and predicted (refinement); candidate buffers */
     int64_t kp = Kp < 8192 ? Kp : 8192;
-    uint32_t *sample = malloc((size_t)(1024 + kp) * sizeof *sample);
+    uint32_t *sample = malloc((size_t)(1024 + kp + (kp > 1024 ? kp : 1024)) * sizeof *sample);
     int32_t *cidx = malloc((size_t)(q.cap + 64) * sizeof *cidx);
     if (!sample || !cidx) {
         free(sample);
@@ -419,18 +732,27 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
     }
     q.sq = sample;
     q.mq = 0;
-    int64_t ms = L < 1024 ? L : 1024;
-    for (int64_t j = 0; j < ms; j++) {
-        uint32_t key = gvr_float_key(x[(j * L) / ms]);
-        if (key)
-            q.sq[q.mq++] = key;
+    /* x[floor(j L / ms)], j < ms, stepping the quotient and remainder (no division per element);
+     * NaN (key 0) is left out */
+    const int64_t ms = L < 1024 ? L : 1024, step = L / ms, step_rem = L % ms;
+    for (int64_t j = 0, pos = 0, rem = 0; j < ms; j++) {
+        uint32_t key = gvr_float_key(x[pos]);
+        q.sq[q.mq] = key;
+        q.mq += key != 0;
+        pos += step;
+        rem += step_rem;
+        if (rem >= ms) {
+            pos++;
+            rem -= ms;
+        }
     }
     q.sp = sample + 1024;
+    q.scratch = sample + 1024 + kp;
     q.mp = 0;
     q.prev = prev;
     q.kp = kp;
 
-    /* 2. the threshold, and 3. its candidates */
+    /* 2. the threshold, and 3. its candidates (indices ascending) */
     int64_t c = L;
     int collected = 0;
     uint32_t T = kk == L ? 0 : find_threshold(&q, cidx, &c, &collected);
@@ -438,13 +760,11 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
     if (T == 0)
         c = L;
     if (!collected) {
-        if (c + 64 > q.cap + 64) {
-            int32_t *bigger = realloc(cidx, (size_t)(c + 64) * sizeof *cidx);
-            if (!bigger) {
-                free(cidx);
+        if (c > q.cap) {
+            free(cidx);
+            cidx = malloc((size_t)(c + 64) * sizeof *cidx);
+            if (!cidx)
                 return -1;
-            }
-            cidx = bigger;
         }
         if (T == 0) {
             for (int64_t i = 0; i < L; i++)
@@ -459,21 +779,15 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
         return -1;
     }
     uint32_t *ckey_tmp = ckey + c + 64;
-    for (int64_t i = 0; i < c; i++)
-        ckey[i] = gvr_float_key(x[cidx[i]]);
+    uint32_t kmin, kmax;
+    keys_of(x, cidx, c, ckey, &kmin, &kmax);
     tls_stats.candidates = c;
 
-    /* 4. exact selection */
+    /* 4. exact selection: v, the kk-th largest key, and g = #{key > v}; then every candidate above
+     * v in index order, and the lowest-index candidates equal to v after them */
     int64_t g;
-    uint32_t v = radix_kth(ckey, c, kk, &g, ckey_tmp);
-    int64_t og = 0, oe = g;
-    for (int64_t i = 0; i < c && (og < g || oe < kk); i++) {
-        if (ckey[i] > v) {
-            out[og++] = cidx[i];
-        } else if (ckey[i] == v && oe < kk) {
-            out[oe++] = cidx[i];
-        }
-    }
+    uint32_t v = kth_largest(ckey, c, kk, kmin, kmax, &g, ckey_tmp);
+    emit_selected(ckey, cidx, c, v, g, kk, out, (int32_t *)ckey_tmp);
     if (sorted && kk > 1) {
         uint32_t *sk = malloc((size_t)kk * 2 * sizeof *sk);
         int32_t *si = malloc((size_t)kk * 2 * sizeof *si);

@@ -16,16 +16,11 @@
  * elements inside [a, z) (few after the first round) in shared memory, sums the histograms over the
  * cluster through distributed shared memory (one cluster barrier), and keeps the bin that holds the
  * kk-th key. It ends when [a, z) is one key (or a boundary has count exactly kk).
- *  - GVR (paper 000, sections 4-5, adapted): phase 1 ("guess") reduces the scores at the previous
- *    step's Top-K to a mean and spread (a strided sample of the row and its normal quantile for kk/len
- *    when there is no usable prediction); each round then bins [a, z) into 511 bins by a monotone
- *    arithmetic map (evenly in value around the guess first, then evenly over the bracket's values,
- *    evenly in key space for non-finite brackets and after 6 rounds), so a round resolves ~9 bits of
- *    the relevant value range: typically 2 rounds to the exact k-th key ("verify" + "refine" by
- *    counting; no candidate buffer, no non-exact fallback, termination guaranteed by the key-space
- *    rounds).
- *  - Radix (the production design): bins are 11/11/10-bit digits of the key. AUTO dispatches here
- *    (measured faster or equal on an H100, benchmarks/RESULTS.md).
+ *  - GVR (paper 000, sections 4-5, adapted): its own kernel, gvr_xkernel below (guess from the
+ *    previous step's Top-K, one exchange round of 256 value bins around it, exact ranking of the
+ *    few candidates left; see its comment). AUTO dispatches there while the grid is one wave.
+ *  - Radix (the production design): bins are 11/11/10-bit digits of the key; each round sums the
+ *    histogram over the cluster by a reduce-scatter through distributed shared memory.
  * Ties at the k-th key: the same rounds search the index bound among elements equal to it (the kk-th
  * key's lowest indices win), on pseudo-keys len - idx.
  * Output: each CTA's selected count -> block scan + cluster prefix -> ordered, deterministic writes.
@@ -75,7 +70,16 @@ __device__ int g_nprof;
             g_prof[63] = g_nprof;                                                                     \
         }                                                                                             \
     } while (0)
+#define PROFV(tag, v)                                                                                 \
+    do {                                                                                              \
+        if (blockIdx.x == 0 && threadIdx.x == 0 && g_nprof < 62) {                                    \
+            g_prof[g_nprof] = (long long)(v) * 100 + (tag);                                           \
+            g_nprof++;                                                                                \
+            g_prof[63] = g_nprof;                                                                     \
+        }                                                                                             \
+    } while (0)
 #else
+#define PROFV(tag, v) ((void)0)
 #define PROF(tag) ((void)0)
 #define PROF_RESET() ((void)0)
 #endif
@@ -139,7 +143,8 @@ __device__ __forceinline__ const int *remote(const int *p, int r)
 }
 
 /* Deterministic block sum of 4 floats (fixed shuffle tree, fixed warp order). */
-__device__ void block_sum4(float v[4], Shared &s)
+template <class S>
+__device__ void block_sum4(float v[4], S &s)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -326,18 +331,19 @@ struct Layout {
     double kscale;
 };
 
+template <int NBINS = NB>
 __device__ __forceinline__ int layout_bin(const Layout &lay, uint32_t key)
 {
     if (lay.key_mode) {
         const double u = (double)(key - lay.a) * lay.kscale;
-        return u >= (double)(NB - 2) ? NB - 1 : (int)u + 1;
+        return u >= (double)(NBINS - 2) ? NBINS - 1 : (int)u + 1;
     }
     if (key <= 1u)
         return 0; /* NaN (and past-the-row) */
     const float u = (key_value(key) - lay.v0) * lay.inv_w;
     if (!(u >= 0.f))
         return 0;
-    return u >= (float)(NB - 2) ? NB - 1 : (int)u + 1;
+    return u >= (float)(NBINS - 2) ? NBINS - 1 : (int)u + 1;
 }
 
 __device__ Layout make_layout(const Interval &iv, bool first, bool value_ok, float center, float spread)
@@ -369,6 +375,7 @@ __device__ Layout make_layout(const Interval &iv, bool first, bool value_ok, flo
 }
 
 /* Warp-wide: min{k in [lo, hi) : f(k) >= b}, or hi if none. Each step probes 32 evenly spaced keys. */
+template <int NBINS = NB>
 __device__ __forceinline__ uint32_t warp_boundary(const Layout &lay, int b, uint32_t lo, uint32_t hi)
 {
     const int lane = threadIdx.x & 31;
@@ -376,7 +383,7 @@ __device__ __forceinline__ uint32_t warp_boundary(const Layout &lay, int b, uint
         const uint64_t span = (uint64_t)hi - lo;
         const uint64_t step = (span + 31) / 32;
         const uint64_t p = (uint64_t)lo + (uint64_t)lane * step;
-        const bool ok = p >= hi || layout_bin(lay, (uint32_t)p) >= b;
+        const bool ok = p >= hi || layout_bin<NBINS>(lay, (uint32_t)p) >= b;
         const unsigned m = __ballot_sync(0xFFFFFFFFu, ok);
         if (step == 1) {
             /* probes cover [lo, lo + 32): the first passing probe is the answer */
@@ -396,6 +403,7 @@ __device__ __forceinline__ uint32_t warp_boundary(const Layout &lay, int b, uint
 /* min{k in [lo, hi) : f(k) >= b} (hi if none), b >= 1: the layout inverted arithmetically, then
  * checked and stepped key by key (rounding puts the estimate within a few keys); a warp-parallel
  * search if that does not settle. Uniform across the warp. */
+template <int NBINS = NB>
 __device__ __forceinline__ uint32_t boundary(const Layout &lay, int b, uint32_t lo, uint32_t hi)
 {
     uint64_t k;
@@ -410,18 +418,18 @@ __device__ __forceinline__ uint32_t boundary(const Layout &lay, int b, uint32_t 
     if (k > hi)
         k = hi;
     for (int step = 0; step < 16; step++) {
-        const bool at = k >= hi || layout_bin(lay, (uint32_t)k) >= b;
+        const bool at = k >= hi || layout_bin<NBINS>(lay, (uint32_t)k) >= b;
         if (!at) {
             k++;
             continue;
         }
-        if (k > lo && layout_bin(lay, (uint32_t)(k - 1)) >= b) {
+        if (k > lo && layout_bin<NBINS>(lay, (uint32_t)(k - 1)) >= b) {
             k--;
             continue;
         }
         return (uint32_t)k;
     }
-    return warp_boundary(lay, b, lo, hi);
+    return warp_boundary<NBINS>(lay, b, lo, hi);
 }
 
 /* GVR rounds on [a, z) until it is one key or a boundary count equals kk (see the file comment). */
@@ -524,27 +532,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     PROF_RESET();
     PROF(0);
-    const bool use_gvr = method != GVR_TOPK_RADIX && kk < L;
-    /* Phase 1 loads first (prediction indices, then the scores there), the row's loads in between,
-     * so their latencies overlap. */
-    int pidx[PRED_PER_THREAD];
-    const int kp = prev ? (Kp < MAX_PRED ? Kp : MAX_PRED) : 0;
-    const int *pr = prev ? prev + (long long)row * prev_stride : nullptr;
-    if (use_gvr) {
-#pragma unroll
-        for (int i = 0; i < PRED_PER_THREAD; i++) {
-            const int j = threadIdx.x + i * THREADS;
-            pidx[i] = j < kp ? __ldg(pr + j) : -1;
-        }
-    }
     RowTile<C, VEC> tile;
     tile.load_raw(xr, L, rank);
-    float pval[PRED_PER_THREAD];
-    if (use_gvr) {
-#pragma unroll
-        for (int i = 0; i < PRED_PER_THREAD; i++)
-            pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? __ldg(xr + pidx[i]) : __int_as_float(0x7FC00000);
-    }
     tile.convert();
     for (int i = threadIdx.x; i < RADIX_BINS; i += THREADS)
         s.hist[0][i] = 0;
@@ -559,84 +548,24 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (kk == L) {
         vsel = 0;
     } else {
-        if (!use_gvr) {
-            int shift = 21, width = 11;
-            for (int d = 0; d < 3 && !iv.done && iv.z - iv.a > 1; d++) {
-                const uint32_t base = (width + shift >= 32) ? 0u : (iv.a & ~((1u << (shift + width)) - 1u));
-                const int nb = 1 << width;
-                const int sh = shift;
-                const uint32_t mask = (uint32_t)nb - 1u;
-                const Interval cur = iv;
-                round_step<C, VEC>(
-                    s, par, iv, kk, nb, [&](int j, int l) { return tile.key[4 * j + l]; },
-                    [&](uint32_t key) { return (int)((key >> sh) & mask); },
-                    [&](int b) {
-                        const uint64_t lo = (uint64_t)base + ((uint64_t)b << sh);
-                        return (uint32_t)(lo < cur.a ? cur.a : (lo > cur.z ? cur.z : lo));
-                    });
-                shift = d == 0 ? 10 : 0;
-                width = d == 0 ? 11 : 10;
-                PROF(1);
-            }
-        } else {
-            /* Phase 1 (guess): mean and spread of the scores at the predicted indices, or, without
-             * a usable prediction, of a strided sample of the row. Two passes: E[v^2] - mean^2
-             * cancels in fp32 when the values sit far from zero. */
-            float st[4] = {0.f, 0.f, 0.f, 0.f}; /* n, sum */
-#pragma unroll
-            for (int i = 0; i < PRED_PER_THREAD; i++)
-                if (isfinite(pval[i])) {
-                    st[0] += 1.f;
-                    st[1] += pval[i];
-                }
-            block_sum4(st, s);
-            const bool predicted = st[0] >= 16.f;
-            constexpr int SPT = SAMPLE / THREADS;
-            float sv[SPT];
-            if (!predicted) {
-                const int m = L < SAMPLE ? L : SAMPLE;
-                st[0] = st[1] = 0.f;
-#pragma unroll
-                for (int i = 0; i < SPT; i++) {
-                    const int j = threadIdx.x + i * THREADS;
-                    sv[i] = j < m ? __ldg(xr + (int)(((long long)j * L) / m)) : __int_as_float(0x7FC00000);
-                    if (isfinite(sv[i])) {
-                        st[0] += 1.f;
-                        st[1] += sv[i];
-                    }
-                }
-                block_sum4(st, s);
-            }
-            const float n = fmaxf(st[0], 1.f), mean = st[1] / n;
-            float q[4] = {0.f, 0.f, 0.f, 0.f};
-            if (predicted) {
-#pragma unroll
-                for (int i = 0; i < PRED_PER_THREAD; i++)
-                    if (isfinite(pval[i]))
-                        q[0] += (pval[i] - mean) * (pval[i] - mean);
-            } else {
-#pragma unroll
-                for (int i = 0; i < SPT; i++)
-                    if (isfinite(sv[i]))
-                        q[0] += (sv[i] - mean) * (sv[i] - mean);
-            }
-            block_sum4(q, s);
-            const float sd = sqrtf(q[0] / n);
-            float center, spread;
-            if (predicted) {
-                /* the previous Top-K straddles the current k-th value */
-                center = mean;
-                spread = 2.5f * sd;
-            } else {
-                /* normal quantile of the target fraction (kk plus a margin) */
-                const float frac = fminf(fmaxf(1.15f * (float)kk / (float)L, 1e-7f), 0.999999f);
-                const float z = 1.41421356f * erfcinvf(2.f * frac);
-                center = mean + sd * z;
-                spread = 1.5f * sd;
-            }
+        /* radix digits: 11/11/10 bits of the key, from the top */
+        int shift = 21, width = 11;
+        for (int d = 0; d < 3 && !iv.done && iv.z - iv.a > 1; d++) {
+            const uint32_t base = (width + shift >= 32) ? 0u : (iv.a & ~((1u << (shift + width)) - 1u));
+            const int nb = 1 << width;
+            const int sh = shift;
+            const uint32_t mask = (uint32_t)nb - 1u;
+            const Interval cur = iv;
+            round_step<C, VEC>(
+                s, par, iv, kk, nb, [&](int j, int l) { return tile.key[4 * j + l]; },
+                [&](uint32_t key) { return (int)((key >> sh) & mask); },
+                [&](int b) {
+                    const uint64_t lo = (uint64_t)base + ((uint64_t)b << sh);
+                    return (uint32_t)(lo < cur.a ? cur.a : (lo > cur.z ? cur.z : lo));
+                });
+            shift = d == 0 ? 10 : 0;
+            width = d == 0 ? 11 : 10;
             PROF(1);
-            iv = gvr_search<C, VEC>(s, par, iv, kk, true, true, center, spread,
-                                    [&](int j, int l) { return tile.key[4 * j + l]; });
         }
         if (iv.done) {
             vsel = iv.a - 1; /* every key >= a */
@@ -694,6 +623,534 @@ __global__ void __launch_bounds__(THREADS, 1)
     if constexpr (C > 1)
         cg::this_cluster().barrier_wait();
     PROF(1);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The GVR kernel ("exchange" design). Measured on an H100 (scripts/micro_cluster.cu,
+ * benchmarks/RESULTS.md): a cluster barrier with release/acquire semantics costs ~0.65 us, a relaxed
+ * one ~0.08 us, and pushing a 2 KB histogram to every peer with st.async ~0.4 us (C = 2) to ~1.3 us
+ * (C = 16). So this kernel never uses a release barrier inside the search: each round every CTA
+ * pushes its small histogram (256 bins as 16-bit counts, 512 bytes) into every peer's shared memory
+ * with st.async, signalling the peer's mbarrier (complete-tx), and then sums the C copies locally.
+ * All CTAs see identical data and make identical choices, so no CTA waits for a decision.
+ *
+ * Order: the composite key ck = key << 32 | (2^32 - 1 - index) is unique per element and orders
+ * elements exactly as the Top-K order (value descending, ties to the lower index). The search keeps
+ * an interval [A, Z] of composite keys that holds the kk-th largest: `above` elements lie above Z
+ * (all selected), `cnt_in` inside. A round bins the elements inside [A, Z] and keeps the bin holding
+ * the kk-th largest. When cnt_in <= CAND_CAP the candidates are pushed to rank 0, which ranks them
+ * exactly (ties included, since composite keys are unique) and writes the `need` best; every CTA
+ * writes its elements above Z at offsets known from the exchanged per-rank counts.
+ *  - Guess (GVR phase 1): mean and spread of the scores at the previous step's Top-K (each CTA
+ *    gathers them itself: no exchange), or of a strided sample with a normal quantile; the first
+ *    round spreads 254 bins evenly in value over center +- spread, one bin below, one above.
+ *  - Value rounds (at most 4): even value bins over a bracket, or a band 8x wider next to an open
+ *    side when the k-th value fell outside the previous band.
+ *  - Shift rounds: bins (ck - A) >> s on the composite key, 8 bits per round; they end the search
+ *    in at most 8 rounds whatever the data (all-equal rows included).
+ * ------------------------------------------------------------------------------------------- */
+constexpr int XB = 256;           /* bins per round */
+constexpr int XW = XB / 2;        /* 32-bit words per histogram (two 16-bit counts) */
+constexpr int CAND_CAP = 256;     /* candidates ranked by rank 0 */
+constexpr int MAX_C = 16;
+constexpr int MAX_VALUE_ROUNDS = 4;
+
+struct XShared {
+    uint32_t hist[XW];                        /* this CTA's counts of the current round */
+    uint32_t recv[2][MAX_C][XW];              /* every rank's counts, double-buffered by round parity */
+    uint2 cand[CAND_CAP];                     /* rank 0: (key, index) of the candidates */
+    int above[MAX_C];                         /* per rank: elements above Z */
+    int inb[MAX_C];                           /* per rank: elements in [A, Z] */
+    unsigned long long mb[3];                 /* mbarriers: exchange (2 parities), candidates */
+    float red[WARPS][4];
+    float stats[4];
+    int pick[4];
+    typename cub::BlockScan<int, THREADS>::TempStorage scan;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* the same shared-memory offset in CTA `rank` of the cluster */
+__device__ __forceinline__ uint32_t peer_u32(uint32_t a, int rank)
+{
+    uint32_t o;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(rank));
+    return o;
+}
+
+__device__ __forceinline__ void mb_expect_bytes(uint32_t mb, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cta.b64 _, [%0], %1;" ::"r"(mb), "r"(bytes)
+                 : "memory");
+}
+
+/* wait for the phase of parity `parity` of a local mbarrier; acquire at cluster scope makes the
+ * peers' st.async data visible. The exchanged byte counts follow from counts every CTA computes
+ * identically, so the wait always ends; should it not (a bug), trap after ~seconds instead of
+ * hanging the stream: the launch then fails with an error the caller sees. */
+__device__ __forceinline__ void mb_wait(uint32_t mb, uint32_t parity)
+{
+    uint32_t done = 0;
+    unsigned long long spins = 0;
+    do {
+        if (++spins == (1ull << 28))
+            __trap();
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done)
+                     : "r"(mb), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void st_async_v4(uint32_t dst, uint4 v, uint32_t mb)
+{
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(dst),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(mb)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_async_v2(uint32_t dst, uint2 v, uint32_t mb)
+{
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(dst), "r"(v.x),
+                 "r"(v.y), "r"(mb)
+                 : "memory");
+}
+
+__device__ __forceinline__ int half16(const uint32_t *h, int b) { return (int)((h[b >> 1] >> ((b & 1) * 16)) & 0xFFFFu); }
+
+__device__ __forceinline__ unsigned long long composite(uint32_t key, int idx)
+{
+    return ((unsigned long long)key << 32) | (unsigned long long)(0xFFFFFFFFu - (uint32_t)idx);
+}
+
+/* One round's bin map: value bins (layout_bin<XB>) while A, Z are key-aligned, else (ck - A) >> sh. */
+struct XMap {
+    bool value;
+    Layout lay;
+    unsigned long long A;
+    int sh;
+};
+
+__device__ __forceinline__ bool value_layout_ok(float v0, float inv_w)
+{
+    return isfinite(v0) && isfinite(inv_w) && inv_w > 0.f && isfinite(v0 + (float)(XB - 2) / inv_w);
+}
+
+__device__ __forceinline__ XMap shift_map(unsigned long long A, unsigned long long Z)
+{
+    XMap m;
+    m.value = false;
+    m.A = A;
+    const unsigned long long width = Z - A;
+    m.sh = width >= (unsigned long long)XB ? 64 - __clzll((long long)width) - 8 : 0;
+    return m;
+}
+
+__device__ __forceinline__ XMap value_map(float v0, float inv_w)
+{
+    XMap m;
+    m.value = true;
+    m.lay.key_mode = false;
+    m.lay.v0 = v0;
+    m.lay.inv_w = inv_w;
+    m.lay.a = 0;
+    m.lay.kscale = 0.0;
+    m.A = 0;
+    m.sh = 0;
+    return m;
+}
+
+template <bool CLUSTER, int VEC>
+__global__ void __launch_bounds__(THREADS, 1)
+    gvr_xkernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
+                const int *__restrict__ prev, long long prev_stride, int Kp, int k, int *__restrict__ out,
+                long long out_stride, int C)
+{
+    __shared__ XShared s;
+    const int row = blockIdx.x / C;
+    const int t = (int)threadIdx.x, lane = t & 31, warp = t >> 5;
+    int rank = 0;
+    if constexpr (CLUSTER)
+        rank = (int)cg::this_cluster().block_rank();
+    int L = N;
+    if (lengths) {
+        L = lengths[row];
+        L = L < 0 ? 0 : (L > N ? N : L);
+    }
+    const int kk = k < L ? k : L;
+    int *orow = out + (long long)row * out_stride;
+    if (rank == 0)
+        for (int i = kk + t; i < k; i += THREADS)
+            orow[i] = -1;
+    if (kk == 0)
+        return; /* uniform over the cluster */
+    const float *xr = scores + (long long)row * row_stride;
+    constexpr int P = RowTile<1, VEC>::P;
+    PROF_RESET();
+    PROF(0);
+
+    if constexpr (CLUSTER) {
+        if (t == 0) {
+#pragma unroll
+            for (int i = 0; i < 3; i++)
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&s.mb[i])) : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        /* the inits are visible to the peers after the matching wait (before the first push) */
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    }
+
+    /* loads: prediction indices, the row, the scores at the predicted indices */
+    const bool search = kk < L && L > CAND_CAP;
+    int pidx[PRED_PER_THREAD];
+    const int kp = prev ? (Kp < MAX_PRED ? Kp : MAX_PRED) : 0;
+    const int *pr = prev ? prev + (long long)row * prev_stride : nullptr;
+    int p0 = -1; /* the first predicted index: its score is the statistics' pivot */
+    if (search) {
+#pragma unroll
+        for (int i = 0; i < PRED_PER_THREAD; i++) {
+            const int j = t + i * THREADS;
+            pidx[i] = j < kp ? __ldg(pr + j) : -1;
+        }
+        p0 = kp > 0 ? __ldg(pr) : -1;
+    }
+    RowTile<1, VEC> tile;
+    tile.load_raw(xr, L, rank);
+    float pval[PRED_PER_THREAD];
+    float pivot = 0.f;
+    if (search) {
+#pragma unroll
+        for (int i = 0; i < PRED_PER_THREAD; i++)
+            pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? __ldg(xr + pidx[i]) : __int_as_float(0x7FC00000);
+        pivot = __ldg(xr + ((p0 >= 0 && p0 < L) ? p0 : 0));
+    }
+    tile.convert();
+    if (t < XW)
+        s.hist[t] = 0;
+    if (t < MAX_C) {
+        /* per-rank valid elements: everything is "in" before the first round */
+        const int valid = L - t * P;
+        s.inb[t] = valid < 0 ? 0 : (valid > P ? P : valid);
+        s.above[t] = 0;
+    }
+    __syncthreads();
+    PROF(1);
+
+    /* interval state (uniform over the cluster) */
+    unsigned long long A = 1ull << 32, Z = ((unsigned long long)KEY_POS_INF << 32) | 0xFFFFFFFFull;
+    int above_total = 0, cnt_in = L;
+    if (kk == L) {
+        /* every element: all "above" a Z below every valid key */
+        Z = (1ull << 32) - 1;
+        above_total = L;
+        cnt_in = 0;
+        if (t < MAX_C)
+            s.above[t] = s.inb[t];
+    }
+
+    XMap map = shift_map(A, Z);
+    if (search) {
+        /* Phase 1 (guess): mean and spread of the predicted scores, or of a strided sample, in one
+         * block reduction of (n, sum d, sum d^2), d = v - pivot (a value of the same row, so that
+         * E[d^2] - E[d]^2 does not cancel) */
+        float st[4] = {0.f, 0.f, 0.f, 0.f};
+        bool predicted = false;
+        pivot = isfinite(pivot) ? pivot : 0.f;
+        if (kp >= 16) {
+#pragma unroll
+            for (int i = 0; i < PRED_PER_THREAD; i++)
+                if (isfinite(pval[i])) {
+                    const float d = pval[i] - pivot;
+                    st[0] += 1.f;
+                    st[1] += d;
+                    st[2] += d * d;
+                }
+            block_sum4(st, s);
+            st[3] = pivot;
+            predicted = st[0] >= 16.f;
+        }
+        if (!predicted) {
+            constexpr int SPT = SAMPLE / THREADS;
+            const int m = L < SAMPLE ? L : SAMPLE;
+            st[0] = st[1] = st[2] = 0.f;
+#pragma unroll
+            for (int i = 0; i < SPT; i++) {
+                const int j = t + i * THREADS;
+                const float v = j < m ? __ldg(xr + (int)(((long long)j * L) / m)) : __int_as_float(0x7FC00000);
+                if (isfinite(v)) {
+                    const float d = v - pivot;
+                    st[0] += 1.f;
+                    st[1] += d;
+                    st[2] += d * d;
+                }
+            }
+            block_sum4(st, s);
+            st[3] = pivot;
+        }
+        const float n = fmaxf(st[0], 1.f), md = st[1] / n, mean = st[3] + md;
+        const float sd = sqrtf(fmaxf(st[2] / n - md * md, 0.f));
+        float center, spread;
+        if (predicted) {
+            center = mean; /* the previous Top-K straddles the current k-th value */
+            spread = 2.5f * sd;
+        } else {
+            const float frac = fminf(fmaxf(1.15f * (float)kk / (float)L, 1e-7f), 0.999999f);
+            center = mean + sd * 1.41421356f * erfcinvf(2.f * frac);
+            spread = 1.5f * sd;
+        }
+        const float inv_w = (float)(XB - 2) / (2.f * spread);
+        if (spread > 0.f && value_layout_ok(center - spread, inv_w))
+            map = value_map(center - spread, inv_w);
+    }
+    if constexpr (CLUSTER)
+        asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    PROF(3);
+
+    /* rounds */
+    int par = 0, value_rounds = 0;
+    uint32_t phases = 0;
+    while (cnt_in > CAND_CAP) {
+        const bool aligned = map.value; /* A, Z key-aligned: compare 32-bit keys only */
+        const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+#pragma unroll
+            for (int l = 0; l < 4; l++) {
+                const uint32_t key = tile.key[4 * j + l];
+                int b = 0;
+                if (aligned) {
+                    if (key >= ka && key <= kz)
+                        b = layout_bin<XB>(map.lay, key);
+                } else {
+                    const unsigned long long ck = composite(key, tile.index(j, l));
+                    if (key != 0u && ck >= A && ck <= Z)
+                        b = (int)((ck - A) >> map.sh);
+                }
+                if (b) /* bin 0 (below the band: most elements) follows from the totals */
+                    atomicAdd(&s.hist[b >> 1], 1u << ((b & 1) * 16));
+            }
+        __syncthreads();
+        PROF(20);
+        if (t < XW)
+            s.recv[par][rank][t] = s.hist[t];
+        if constexpr (CLUSTER) {
+            const uint32_t mb = smem_u32(&s.mb[par]);
+            if (t == 0)
+                mb_expect_bytes(mb, (uint32_t)((C - 1) * XW * 4));
+            const int chunk = t & 31, j = t >> 5; /* XW / 4 = 32 chunks of 16 bytes per peer */
+            if (j < C - 1) {
+                const int peer = (rank + 1 + j) % C;
+                const uint4 v = reinterpret_cast<const uint4 *>(s.hist)[chunk];
+                st_async_v4(peer_u32(smem_u32(&s.recv[par][rank][chunk * 4]), peer), v, peer_u32(mb, peer));
+            }
+            mb_wait(mb, (phases >> par) & 1u);
+            phases ^= 1u << par;
+        }
+        __syncthreads();
+        PROF(21);
+        if (t < XW)
+            s.hist[t] = 0;
+        /* cluster-summed counts, suffix sums from the top bin down, the bin holding the kk-th */
+        const int b = XB - 1 - t;
+        int cnt = 0;
+        if (b >= 1) {
+#pragma unroll
+            for (int r = 0; r < C; r++)
+                cnt += half16(s.recv[par][r], b);
+        }
+        int incl, total; /* total: elements in bins >= 1 */
+        cub::BlockScan<int, THREADS>(s.scan).InclusiveSum(cnt, incl, total);
+        if (b >= 1) {
+            const int Sb = above_total + incl;
+            if (Sb >= kk && Sb - cnt < kk) {
+                s.pick[0] = b;
+                s.pick[1] = Sb;
+                s.pick[2] = Sb - cnt;
+            }
+        }
+        __syncthreads();
+        const bool low = above_total + total < kk; /* the kk-th is in bin 0 */
+        const int bs = low ? 0 : s.pick[0];
+        const int Sb = low ? above_total + cnt_in : s.pick[1];
+        const int Sb1 = low ? above_total + total : s.pick[2];
+        PROF(22);
+        /* per rank: elements in bins above the chosen one (now above Z) and in it */
+        if (warp < C) {
+            int u = 0;
+            for (int bb = bs + 1 + lane; bb < XB; bb += 32)
+                u += half16(s.recv[par][warp], bb);
+            u = __reduce_add_sync(0xFFFFFFFFu, u);
+            if (lane == 0) {
+                s.above[warp] += u;
+                s.inb[warp] = bs ? half16(s.recv[par][warp], bs) : s.inb[warp] - u;
+            }
+        }
+        /* the chosen bin's composite range, and the next round's map */
+        if (map.value) {
+            const uint32_t ka = (uint32_t)(A >> 32), kz1 = (uint32_t)(Z >> 32) + 1u;
+            const uint32_t kb = bs == 0 ? ka : boundary<XB>(map.lay, bs, ka, kz1);
+            const uint32_t ke = bs == XB - 1 ? kz1 : boundary<XB>(map.lay, bs + 1, kb, kz1);
+            A = (unsigned long long)kb << 32;
+            Z = ((unsigned long long)ke << 32) - 1ull;
+            const float band = (float)(XB - 2) / map.lay.inv_w;
+            float v0 = 0.f, iw = 0.f;
+            bool ok = false;
+            if (++value_rounds < MAX_VALUE_ROUNDS && ke - kb > (uint32_t)XB) {
+                if (bs == XB - 1 && kb >= 2u && kb < KEY_POS_INF) {
+                    v0 = key_value(kb); /* above the band: a band 8x wider on top of it */
+                    iw = map.lay.inv_w * 0.125f;
+                    ok = true;
+                } else if (bs == 0 && ke >= 3u && ke <= KEY_POS_INF) {
+                    v0 = key_value(ke) - 8.f * band; /* below the band: 8x wider under it */
+                    iw = map.lay.inv_w * 0.125f;
+                    ok = true;
+                } else if (bs > 0 && bs < XB - 1 && kb >= 2u && ke <= KEY_POS_INF) {
+                    v0 = key_value(kb); /* inside: even bins over the bin's values */
+                    iw = (float)(XB - 2) / (key_value(ke) - v0);
+                    ok = true;
+                }
+            }
+            map = ok && value_layout_ok(v0, iw) ? value_map(v0, iw) : shift_map(A, Z);
+        } else {
+            const unsigned long long lo = A + ((unsigned long long)bs << map.sh);
+            const unsigned long long hi = lo + ((1ull << map.sh) - 1ull);
+            A = lo;
+            Z = (hi >= lo && hi < Z) ? hi : Z; /* hi < lo: wrapped past 2^64 */
+            map = shift_map(A, Z);
+        }
+        above_total = Sb1;
+        cnt_in = Sb - Sb1;
+        par ^= 1;
+        PROF(23);
+        PROFV(90, cnt_in);
+    }
+    __syncthreads(); /* s.above / s.inb final */
+
+    /* output: elements above Z at per-rank offsets; candidates ranked by rank 0 */
+    /* key-aligned bounds (every path but shift rounds): 32-bit compares only */
+    const bool aligned = (uint32_t)A == 0u && (uint32_t)Z == 0xFFFFFFFFu;
+    const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
+    int n_above = 0, n_cand = 0;
+#pragma unroll
+    for (int j = 0; j < VEC; j++)
+#pragma unroll
+        for (int l = 0; l < 4; l++) {
+            const uint32_t key = tile.key[4 * j + l];
+            if (aligned) {
+                n_above += key > kz;
+                n_cand += key >= ka && key <= kz;
+            } else if (key != 0u) {
+                const unsigned long long ck = composite(key, tile.index(j, l));
+                n_above += ck > Z;
+                n_cand += ck >= A && ck <= Z;
+            }
+        }
+    int off, tot;
+    cub::BlockScan<int, THREADS>(s.scan).ExclusiveSum(n_above | (n_cand << 16), off, tot);
+    PROF(30);
+    int pos_above = off & 0xFFFF, pos_cand = off >> 16;
+    for (int r = 0; r < rank; r++) {
+        pos_above += s.above[r];
+        pos_cand += s.inb[r];
+    }
+    const uint32_t cmb = smem_u32(&s.mb[2]);
+    if (CLUSTER && cnt_in > 0 && rank == 0 && t == 0)
+        mb_expect_bytes(cmb, (uint32_t)((cnt_in - s.inb[0]) * 8));
+#pragma unroll
+    for (int j = 0; j < VEC; j++)
+#pragma unroll
+        for (int l = 0; l < 4; l++) {
+            const uint32_t key = tile.key[4 * j + l];
+            if (key == 0u)
+                continue;
+            const int idx = tile.index(j, l);
+            const unsigned long long ck = composite(key, idx);
+            if (aligned ? key > kz : ck > Z) {
+                orow[pos_above++] = idx;
+            } else if (aligned ? key >= ka : ck >= A) {
+                const uint2 v = make_uint2(key, (uint32_t)idx);
+                if (rank == 0)
+                    s.cand[pos_cand] = v;
+                else
+                    st_async_v2(peer_u32(smem_u32(&s.cand[pos_cand]), 0), v, peer_u32(cmb, 0));
+                pos_cand++;
+            }
+        }
+    if (rank == 0 && cnt_in > 0) {
+        __syncthreads();
+        if constexpr (CLUSTER)
+            mb_wait(cmb, 0u);
+        PROF(31);
+        const int need = kk - above_total;
+        /* exact rank of each candidate (two threads each, halves of the list) */
+        const int c = t >> 1, h = t & 1;
+        const bool act = c < cnt_in;
+        int better = 0;
+        uint2 me = make_uint2(0u, 0u);
+        if (act) {
+            me = s.cand[c];
+            const unsigned long long mc = composite(me.x, (int)me.y);
+            const int half = (cnt_in + 1) >> 1, i0 = h * half, i1 = min(cnt_in, i0 + half);
+            for (int i = i0; i < i1; i++) {
+                const uint2 o = s.cand[i];
+                better += composite(o.x, (int)o.y) > mc;
+            }
+        }
+        better += __shfl_xor_sync(0xFFFFFFFFu, better, 1);
+        if (act && h == 0 && better < need)
+            orow[above_total + better] = (int)me.y;
+        __syncthreads();
+        PROF(32);
+    }
+}
+
+template <bool CLUSTER, int VEC>
+cudaError_t xlaunch_one(const gvr_topk_params *p, int C, cudaStream_t stream)
+{
+    using Fn = void (*)(const float *, long long, int, const int *, const int *, long long, int, int, int *, long long,
+                        int);
+    Fn fn = gvr_xkernel<CLUSTER, VEC>;
+    static bool configured = false;
+    if (CLUSTER && !configured) {
+        cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        if (e != cudaSuccess)
+            return e;
+        configured = true;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(C * p->B), 1, 1);
+    cfg.blockDim = dim3(THREADS, 1, 1);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = C;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, fn, p->scores, (long long)p->row_stride, p->N, p->lengths, p->prev,
+                              (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, p->out, (long long)p->out_stride, C);
+}
+
+/* float4s per thread the GVR kernel is built for; a row of N takes C = ceil(N / (2048 VEC)) CTAs */
+constexpr int XVECS[] = {2, 3, 4, 5, 6, 8, 12, 16};
+
+template <bool CLUSTER>
+cudaError_t xlaunch_vec(const gvr_topk_params *p, int vec, int C, cudaStream_t stream)
+{
+    switch (vec) {
+    case 2: return xlaunch_one<CLUSTER, 2>(p, C, stream);
+    case 3: return xlaunch_one<CLUSTER, 3>(p, C, stream);
+    case 4: return xlaunch_one<CLUSTER, 4>(p, C, stream);
+    case 5: return xlaunch_one<CLUSTER, 5>(p, C, stream);
+    case 6: return xlaunch_one<CLUSTER, 6>(p, C, stream);
+    case 8: return xlaunch_one<CLUSTER, 8>(p, C, stream);
+    case 12: return xlaunch_one<CLUSTER, 12>(p, C, stream);
+    default: return xlaunch_one<CLUSTER, 16>(p, C, stream);
+    }
 }
 
 /* Sort each row's kk indices by (value descending, index ascending). */
@@ -878,11 +1335,31 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
         while (C * THREADS * 4 * vec < p->N)
             C *= 2;
     }
-    /* AUTO: the radix path. On an H100 (benchmarks/RESULTS.md, 2026-11-22) the GVR kernel matched it
-     * only in single-row cells of 16K-32K and lost elsewhere (its guess plus two rounds cost as much as
-     * the 2-3 radix digit rounds): a prediction never makes a call slower than without one. */
-    const int method = p->method == GVR_TOPK_GVR ? GVR_TOPK_GVR : GVR_TOPK_RADIX;
+    /* AUTO: the GVR kernel while the grid is one wave (one 512-thread CTA per SM) without register
+     * spills; the radix path beyond (faster there on an H100, benchmarks/RESULTS.md). */
+    /* The GVR kernel's geometry: the smallest VEC whose cluster (any size up to 16) holds the row
+     * in one wave of CTAs, else the fewest CTAs per row. */
+    int xc = 0, xv = 0;
+    for (int v : XVECS) {
+        const int c = (int)(((long long)p->N + THREADS * 4 * v - 1) / (THREADS * 4 * v));
+        if (c <= 16 && (long long)p->B * c <= sm_count()) {
+            xc = c;
+            xv = v;
+            break;
+        }
+    }
+    const bool x_one_wave = xc != 0;
+    if (!xc) {
+        xv = 16;
+        xc = (int)(((long long)p->N + THREADS * 64 - 1) / (THREADS * 64));
+    }
+    int method = p->method;
+    if (method == GVR_TOPK_AUTO)
+        method = (x_one_wave && xv <= 8) ? GVR_TOPK_GVR : GVR_TOPK_RADIX;
     cudaError_t e;
+    if (method == GVR_TOPK_GVR)
+        e = xc > 1 ? xlaunch_vec<true>(p, xv, xc, stream) : xlaunch_vec<false>(p, xv, xc, stream);
+    else
     switch (C) {
     case 1: e = launch_vec<1>(p, vec, method, stream); break;
     case 2: e = launch_vec<2>(p, vec, method, stream); break;

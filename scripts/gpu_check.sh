@@ -1,20 +1,34 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for the chip present, GPU tests, compute-sanitizer, benchmark.
-# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|full]
+# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|full|profile|probe]
 set -u -o pipefail
 OUT=${OUT:-/tmp/gvr_out}; mkdir -p "$OUT"
 mode=${1:-full}
 export PYTHONUNBUFFERED=1 GVR_CUDA_ARCHS=${GVR_CUDA_ARCHS:-90a} GVR_REQUIRE_CUDA=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
-python3 -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; echo "pip exit $?"
+if [ "$mode" = "profile" ] && [ -f build/libprof.so ]; then
+  # a -DGVR_PROFILE library built on the workstation (carried in build/): skip nvcc here
+  GVR_SKIP_CUDA=1 python3 -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; echo "pip exit $?"
+  D=$(cd /tmp && python3 -c "import gvr, os; print(os.path.dirname(gvr.__file__))"); mkdir -p "$D/_lib"; cp build/libprof.so "$D/_lib/libgvr_cuda.so"
+else
+  python3 -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; echo "pip exit $?"
+fi
 grep -E "gvr build: [✓✗]|rror" "$OUT/build.log" | head -20
 (cd /tmp && python3 -c "import gvr; print(gvr.__file__, gvr.build_info())") | tee -a "$OUT/build.log" || exit 1
+(cd /tmp && timeout 60 python3 "$OLDPWD/scripts/smoke_gpu.py") 2>&1 | tee "$OUT/smoke.log" | tail -8
+[ "${PIPESTATUS[0]}" = "0" ] || [ "$mode" = "profile" ] || { echo "smoke test failed"; exit 1; }
+if [ "$mode" = "probe" ]; then
+  nvcc -O2 -std=c++17 -arch=sm_${GVR_CUDA_ARCHS} -o /tmp/micro_cluster scripts/micro_cluster.cu && /tmp/micro_cluster | tee "$OUT/micro_cluster.log"
+  (cd /tmp && python3 "$OLDPWD/scripts/floor_probe.py") 2>&1 | tee "$OUT/floor_probe.log"
+  exit 0
+fi
+if [ "$mode" != "profile" ]; then
 cd tests
 timeout 400 python3 -m pytest -x -q -p no:cacheprovider test_topk_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 cd ..
 if [ "$mode" = "full" ]; then
   for tool in memcheck racecheck; do
-    (cd /tmp && timeout 60 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$OLDPWD/scripts/sanitize_case.py") > "$OUT/sanitizer_$tool.log" 2>&1
+    (cd /tmp && timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$OLDPWD/scripts/sanitize_case.py") > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
   done
 fi
@@ -23,7 +37,13 @@ if [ -f benchmarks/bench_topk.py ] && [ "$mode" = "full" ]; then
 else
   (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee "$OUT/quick_bench.log"
 fi
-if [ "$mode" = "profile" ]; then
+fi
+if [ "$mode" = "profile" ] && [ -f build/libprof.so ]; then
+  for lib in build/libprof*.so; do
+    echo "== $lib"; cp "$lib" "$D/_lib/libgvr_cuda.so"
+    (cd /tmp && python3 "$OLDPWD/scripts/profile_phases.py" 2>&1 | tee -a "$OUT/profile.log")
+  done
+elif [ "$mode" = "profile" ]; then
   LIB=$(cd /tmp && python3 -c "import gvr; print(gvr.build_info()['cuda_library'])")
   cp "$LIB" /tmp/libgvr_cuda.release.so
   nvcc -O3 -std=c++17 -DGVR_PROFILE -gencode=arch=compute_${GVR_CUDA_ARCHS},code=sm_${GVR_CUDA_ARCHS} -Xcompiler -fPIC -shared --cudart=static -o "$LIB" kernels/topk.cu \

@@ -4,25 +4,9 @@ import numpy as np
 import torch
 import gvr
 from gvr import data
+from quick_gpu_bench_lib import timeit
 
 k = 2048
-def timeit(fn, reps=20, iters=5):
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-    torch.cuda.current_stream().wait_stream(s)
-    ts = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-        e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000 / reps)
-    return float(np.median(ts))
-
 print(torch.cuda.get_device_name())
 for N in (4096, 16384, 65536, 131072, 262144):
     for ov in (0.45, 0.02):

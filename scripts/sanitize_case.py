@@ -12,14 +12,21 @@ for N in (3000, 70001):  # 1-CTA rows, 16-CTA clusters
     x[1, ::3] = 0.25  # ties at the k-th value
     cases.append(x)
 cases.append(np.stack([data.adversarial("nan_heavy", 5000, k=64), data.adversarial("all_equal", 5000, k=64)]))
+cases.append(np.stack([data.adversarial("all_equal", 20001, k=64), data.adversarial("nan_heavy", 20001, k=64)]))
 for x in cases:
     xg = torch.from_numpy(x).cuda()
     want = gvr.topk_decode(x, 64)
-    lengths = torch.tensor([x.shape[1], x.shape[1] // 3], dtype=torch.int32, device="cuda")
+    n = x.shape[1]
+    # full rows, a third, short rows (candidates only), rows of exactly k and fewer (every element)
+    all_lengths = ([n, n // 3], [200, 0], [64, 50])
     for method in ("gvr", "radix"):
         for prev in (None, torch.from_numpy(want).cuda()):
             got = gvr.topk_decode(xg, 64, prev_topk=prev, method=method).cpu().numpy()
             assert (np.sort(got, 1) == np.sort(want, 1)).all(), (x.shape, method)
-            gvr.topk_decode(xg, 64, prev_topk=prev, lengths=lengths, method=method, sorted=True)
+            for ln in all_lengths:
+                lengths = torch.tensor(ln, dtype=torch.int32, device="cuda")
+                got = gvr.topk_decode(xg, 64, prev_topk=prev, lengths=lengths, method=method, sorted=True).cpu().numpy()
+                exp = gvr.topk_decode(x, 64, lengths=np.array(ln, dtype=np.int32), sorted=True)
+                assert (got == exp).all(), (x.shape, method, ln)
 torch.cuda.synchronize()
 print("sanitize case ok")
