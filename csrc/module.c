@@ -371,9 +371,15 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
             PyErr_Format(PyExc_ValueError, "'sorted=True' on CUDA supports k <= 4096, got k = %zd", k);
             goto fail;
         }
-        if (N > 524288) {
-            PyErr_Format(PyExc_ValueError, "'scores' rows longer than 524288 are not supported on CUDA yet, got N = %lld",
+        if (N > 524288 && method == GVR_TOPK_RADIX) {
+            PyErr_Format(PyExc_ValueError,
+                         "'scores' rows longer than 524288 exceed the radix path (method 'gvr' or 'auto' serves them), "
+                         "got N = %lld",
                          (long long)N);
+            goto fail;
+        }
+        if (N > (1LL << 30)) {
+            PyErr_Format(PyExc_ValueError, "'scores' rows on CUDA hold at most 2^30 scores, got N = %lld", (long long)N);
             goto fail;
         }
         int rc, prev_dev = -1;

@@ -179,10 +179,13 @@ struct RowTile {
     __device__ __forceinline__ int index(int j, int l) const { return base + (j * THREADS + (int)threadIdx.x) * 4 + l; }
 
     /* Issue the row's loads (raw bits into key[]); convert() turns them into stored keys. */
-    __device__ __forceinline__ void load_raw(const float *row, int len, int rank)
+    __device__ __forceinline__ void load_raw(const float *row, int len, int rank) { load_raw_at(row, len, rank * P); }
+
+    /* the same for the P elements from `first` on */
+    __device__ __forceinline__ void load_raw_at(const float *row, int len, int first)
     {
         L = len;
-        base = rank * P;
+        base = first;
         const bool vec_ok = (reinterpret_cast<uintptr_t>(row) & 15u) == 0;
 #pragma unroll
         for (int j = 0; j < VEC; j++) {
@@ -432,6 +435,49 @@ __device__ __forceinline__ uint32_t boundary(const Layout &lay, int b, uint32_t 
     return warp_boundary<NBINS>(lay, b, lo, hi);
 }
 
+/* min{k in [lo, hi) : f(k) >= b} (hi if none), b >= 1, for a value layout, by one warp (each warp
+ * computes it alone; the result is uniform). The 32 keys around the arithmetic estimate are probed
+ * at once; if the boundary is not among them (near 0 a bin edge can lie 2^30 keys from the
+ * estimate: fl(v - v0) ignores |v| << ulp(v0)), probes at distances 2^j bracket it and
+ * warp_boundary finishes. About 2 ballots usually, at most ~9. */
+template <int NBINS>
+__device__ __forceinline__ uint32_t value_boundary(const Layout &lay, int b, uint32_t lo, uint32_t hi)
+{
+    const int lane = threadIdx.x & 31;
+    const float v = lay.v0 + (float)(b - 1) / lay.inv_w;
+    uint64_t e = isfinite(v) ? (uint64_t)stored_key(v) : (uint64_t)hi;
+    e = e < lo ? lo : (e > hi ? hi : e);
+    const uint64_t w0 = e >= (uint64_t)lo + 16u ? e - 16u : (uint64_t)lo;
+    auto pass = [&](uint64_t p) { return p >= hi || layout_bin<NBINS>(lay, (uint32_t)p) >= b; };
+    unsigned m = __ballot_sync(0xFFFFFFFFu, pass(w0 + (uint64_t)lane));
+    if (m != 0u && !(m & 1u)) /* the edge is inside the window */
+        {
+        const uint64_t r = w0 + (uint64_t)(__ffs(m) - 1);
+        return r < hi ? (uint32_t)r : hi;
+    }
+    if (m & 1u) {
+        /* at or below w0: probes w0 - 2^j; the first failing one brackets the edge */
+        if (w0 == lo)
+            return lo;
+        const uint64_t d = 1ull << lane;
+        const uint64_t q = (lane < 31 && w0 >= (uint64_t)lo + d) ? w0 - d : (uint64_t)lo; /* lane 31: lo */
+        m = __ballot_sync(0xFFFFFFFFu, !pass(q));
+        if (!m)
+            return lo;
+        const int j = __ffs(m) - 1;
+        const uint64_t qj = __shfl_sync(0xFFFFFFFFu, q, j), qp = j ? __shfl_sync(0xFFFFFFFFu, q, j - 1) : w0;
+        return warp_boundary<NBINS>(lay, b, (uint32_t)(qj + 1), (uint32_t)qp);
+    }
+    /* above w0 + 31: probes w0 + 31 + 2^j; the first passing one brackets the edge */
+    const uint64_t top = w0 + 31u;
+    const uint64_t up = top + (1ull << lane);
+    const uint64_t q = (lane < 31 && up < hi) ? up : (uint64_t)hi; /* lane 31: hi */
+    m = __ballot_sync(0xFFFFFFFFu, pass(q)); /* pass(hi) holds: never empty */
+    const int j = __ffs(m) - 1;
+    const uint64_t qj = __shfl_sync(0xFFFFFFFFu, q, j), qp = j ? __shfl_sync(0xFFFFFFFFu, q, j - 1) : top;
+    return warp_boundary<NBINS>(lay, b, (uint32_t)(qp + 1), (uint32_t)qj);
+}
+
 /* GVR rounds on [a, z) until it is one key or a boundary count equals kk (see the file comment). */
 template <int C, int VEC, class KeyF>
 __device__ Interval gvr_search(Shared &s, int &par, Interval iv, int kk, bool first, bool value_ok, float center,
@@ -655,9 +701,32 @@ constexpr int CAND_CAP = 256;     /* candidates ranked by rank 0 */
 constexpr int MAX_C = 16;
 constexpr int MAX_VALUE_ROUNDS = 4;
 
+/* Histogram words: register-resident rows (<= 32K elements per CTA) pack two 16-bit counts per
+ * word; streamed rows (any length per CTA) use 32-bit counts. */
+template <bool STREAM>
+struct XCounts {
+    static constexpr int W = STREAM ? XB : XW; /* 32-bit words per histogram */
+    static __device__ __forceinline__ int get(const uint32_t *h, int b)
+    {
+        if constexpr (STREAM)
+            return (int)h[b];
+        else
+            return (int)((h[b >> 1] >> ((b & 1) * 16)) & 0xFFFFu);
+    }
+    static __device__ __forceinline__ void add(uint32_t *h, int b)
+    {
+        if constexpr (STREAM)
+            atomicAdd(&h[b], 1u);
+        else
+            atomicAdd(&h[b >> 1], 1u << ((b & 1) * 16));
+    }
+};
+
+template <bool STREAM>
 struct XShared {
-    uint32_t hist[XW];                        /* this CTA's counts of the current round */
-    uint32_t recv[2][MAX_C][XW];              /* every rank's counts, double-buffered by round parity */
+    static constexpr int W = XCounts<STREAM>::W;
+    uint32_t hist[W];                         /* this CTA's counts of the current round */
+    uint32_t recv[2][MAX_C][W];               /* every rank's counts, double-buffered by round parity */
     uint2 cand[CAND_CAP];                     /* rank 0: (key, index) of the candidates */
     int above[MAX_C];                         /* per rank: elements above Z */
     int inb[MAX_C];                           /* per rank: elements in [A, Z] */
@@ -718,8 +787,6 @@ __device__ __forceinline__ void st_async_v2(uint32_t dst, uint2 v, uint32_t mb)
                  : "memory");
 }
 
-__device__ __forceinline__ int half16(const uint32_t *h, int b) { return (int)((h[b >> 1] >> ((b & 1) * 16)) & 0xFFFFu); }
-
 __device__ __forceinline__ unsigned long long composite(uint32_t key, int idx)
 {
     return ((unsigned long long)key << 32) | (unsigned long long)(0xFFFFFFFFu - (uint32_t)idx);
@@ -762,13 +829,15 @@ __device__ __forceinline__ XMap value_map(float v0, float inv_w)
     return m;
 }
 
-template <bool CLUSTER, int VEC>
+template <bool CLUSTER, int VEC, bool STREAM>
 __global__ void __launch_bounds__(THREADS, 1)
     gvr_xkernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
                 const int *__restrict__ prev, long long prev_stride, int Kp, int k, int *__restrict__ out,
-                long long out_stride, int C)
+                long long out_stride, int C, int nch)
 {
-    __shared__ XShared s;
+    __shared__ XShared<STREAM> s;
+    using Cnt = XCounts<STREAM>;
+    constexpr int HW = Cnt::W;
     const int row = blockIdx.x / C;
     const int t = (int)threadIdx.x, lane = t & 31, warp = t >> 5;
     int rank = 0;
@@ -788,6 +857,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         return; /* uniform over the cluster */
     const float *xr = scores + (long long)row * row_stride;
     constexpr int P = RowTile<1, VEC>::P;
+    const int S = nch * P; /* elements per CTA: [rank * S, rank * S + S) */
+    const int seg = rank * S;
+    /* chunks of this CTA that hold row elements (uniform in the CTA) */
+    const int my_nch = L > seg ? min(nch, (L - seg + P - 1) / P) : 0;
     PROF_RESET();
     PROF(0);
 
@@ -816,8 +889,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         p0 = kp > 0 ? __ldg(pr) : -1;
     }
-    RowTile<1, VEC> tile;
-    tile.load_raw(xr, L, rank);
+    RowTile<1, VEC> tile; /* the row (STREAM false: loaded once, held in registers) */
+    if constexpr (!STREAM)
+        tile.load_raw(xr, L, rank);
     float pval[PRED_PER_THREAD];
     float pivot = 0.f;
     if (search) {
@@ -826,13 +900,14 @@ __global__ void __launch_bounds__(THREADS, 1)
             pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? __ldg(xr + pidx[i]) : __int_as_float(0x7FC00000);
         pivot = __ldg(xr + ((p0 >= 0 && p0 < L) ? p0 : 0));
     }
-    tile.convert();
-    if (t < XW)
+    if constexpr (!STREAM)
+        tile.convert();
+    if (t < HW)
         s.hist[t] = 0;
     if (t < MAX_C) {
         /* per-rank valid elements: everything is "in" before the first round */
-        const int valid = L - t * P;
-        s.inb[t] = valid < 0 ? 0 : (valid > P ? P : valid);
+        const long long valid = (long long)L - (long long)t * S;
+        s.inb[t] = valid < 0 ? 0 : (valid > S ? S : (int)valid);
         s.above[t] = 0;
     }
     __syncthreads();
@@ -908,40 +983,62 @@ __global__ void __launch_bounds__(THREADS, 1)
         asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
     PROF(3);
 
+    /* One pass over this CTA's share of the row, f(tile) per chunk of P elements: the register-held
+     * tile, or (STREAM) the row re-read chunk by chunk, the next chunk's loads in flight while the
+     * current one is processed. */
+    auto sweep = [&](auto &&f) {
+        if constexpr (!STREAM) {
+            f(tile);
+        } else {
+            RowTile<1, VEC> nxt;
+            if (my_nch > 0)
+                nxt.load_raw_at(xr, L, seg);
+            for (int c = 0; c < my_nch; c++) {
+                RowTile<1, VEC> cur = nxt;
+                if (c + 1 < my_nch)
+                    nxt.load_raw_at(xr, L, seg + (c + 1) * P);
+                cur.convert();
+                f(cur);
+            }
+        }
+    };
+
     /* rounds */
     int par = 0, value_rounds = 0;
     uint32_t phases = 0;
     while (cnt_in > CAND_CAP) {
         const bool aligned = map.value; /* A, Z key-aligned: compare 32-bit keys only */
         const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
+        sweep([&](const RowTile<1, VEC> &tl) {
 #pragma unroll
-        for (int j = 0; j < VEC; j++)
+            for (int j = 0; j < VEC; j++)
 #pragma unroll
-            for (int l = 0; l < 4; l++) {
-                const uint32_t key = tile.key[4 * j + l];
-                int b = 0;
-                if (aligned) {
-                    if (key >= ka && key <= kz)
-                        b = layout_bin<XB>(map.lay, key);
-                } else {
-                    const unsigned long long ck = composite(key, tile.index(j, l));
-                    if (key != 0u && ck >= A && ck <= Z)
-                        b = (int)((ck - A) >> map.sh);
+                for (int l = 0; l < 4; l++) {
+                    const uint32_t key = tl.key[4 * j + l];
+                    int b = 0;
+                    if (aligned) {
+                        if (key >= ka && key <= kz)
+                            b = layout_bin<XB>(map.lay, key);
+                    } else {
+                        const unsigned long long ck = composite(key, tl.index(j, l));
+                        if (key != 0u && ck >= A && ck <= Z)
+                            b = (int)((ck - A) >> map.sh);
+                    }
+                    if (b) /* bin 0 (below the band: most elements) follows from the totals */
+                        Cnt::add(s.hist, b);
                 }
-                if (b) /* bin 0 (below the band: most elements) follows from the totals */
-                    atomicAdd(&s.hist[b >> 1], 1u << ((b & 1) * 16));
-            }
+        });
         __syncthreads();
         PROF(20);
-        if (t < XW)
+        if (t < HW)
             s.recv[par][rank][t] = s.hist[t];
         if constexpr (CLUSTER) {
             const uint32_t mb = smem_u32(&s.mb[par]);
             if (t == 0)
-                mb_expect_bytes(mb, (uint32_t)((C - 1) * XW * 4));
-            const int chunk = t & 31, j = t >> 5; /* XW / 4 = 32 chunks of 16 bytes per peer */
-            if (j < C - 1) {
-                const int peer = (rank + 1 + j) % C;
+                mb_expect_bytes(mb, (uint32_t)((C - 1) * HW * 4));
+            constexpr int NC16 = HW / 4; /* 16-byte pieces per peer */
+            for (int i = t; i < (C - 1) * NC16; i += THREADS) {
+                const int chunk = i % NC16, peer = (rank + 1 + i / NC16) % C;
                 const uint4 v = reinterpret_cast<const uint4 *>(s.hist)[chunk];
                 st_async_v4(peer_u32(smem_u32(&s.recv[par][rank][chunk * 4]), peer), v, peer_u32(mb, peer));
             }
@@ -950,7 +1047,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         __syncthreads();
         PROF(21);
-        if (t < XW)
+        if (t < HW)
             s.hist[t] = 0;
         /* cluster-summed counts, suffix sums from the top bin down, the bin holding the kk-th */
         const int b = XB - 1 - t;
@@ -958,7 +1055,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (b >= 1) {
 #pragma unroll
             for (int r = 0; r < C; r++)
-                cnt += half16(s.recv[par][r], b);
+                cnt += Cnt::get(s.recv[par][r], b);
         }
         int incl, total; /* total: elements in bins >= 1 */
         cub::BlockScan<int, THREADS>(s.scan).InclusiveSum(cnt, incl, total);
@@ -980,18 +1077,22 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (warp < C) {
             int u = 0;
             for (int bb = bs + 1 + lane; bb < XB; bb += 32)
-                u += half16(s.recv[par][warp], bb);
+                u += Cnt::get(s.recv[par][warp], bb);
             u = __reduce_add_sync(0xFFFFFFFFu, u);
             if (lane == 0) {
                 s.above[warp] += u;
-                s.inb[warp] = bs ? half16(s.recv[par][warp], bs) : s.inb[warp] - u;
+                s.inb[warp] = bs ? Cnt::get(s.recv[par][warp], bs) : s.inb[warp] - u;
             }
         }
+        PROF(24);
         /* the chosen bin's composite range, and the next round's map */
         if (map.value) {
             const uint32_t ka = (uint32_t)(A >> 32), kz1 = (uint32_t)(Z >> 32) + 1u;
-            const uint32_t kb = bs == 0 ? ka : boundary<XB>(map.lay, bs, ka, kz1);
-            const uint32_t ke = bs == XB - 1 ? kz1 : boundary<XB>(map.lay, bs + 1, kb, kz1);
+            const uint32_t kb = bs == 0 ? ka : value_boundary<XB>(map.lay, bs, ka, kz1);
+            PROF(25);
+            const uint32_t ke = bs == XB - 1 ? kz1 : value_boundary<XB>(map.lay, bs + 1, ka, kz1);
+            PROF(26);
+            PROFV(91, bs);
             A = (unsigned long long)kb << 32;
             Z = ((unsigned long long)ke << 32) - 1ull;
             const float band = (float)(XB - 2) / map.lay.inv_w;
@@ -1032,25 +1133,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     /* key-aligned bounds (every path but shift rounds): 32-bit compares only */
     const bool aligned = (uint32_t)A == 0u && (uint32_t)Z == 0xFFFFFFFFu;
     const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
-    int n_above = 0, n_cand = 0;
-#pragma unroll
-    for (int j = 0; j < VEC; j++)
-#pragma unroll
-        for (int l = 0; l < 4; l++) {
-            const uint32_t key = tile.key[4 * j + l];
-            if (aligned) {
-                n_above += key > kz;
-                n_cand += key >= ka && key <= kz;
-            } else if (key != 0u) {
-                const unsigned long long ck = composite(key, tile.index(j, l));
-                n_above += ck > Z;
-                n_cand += ck >= A && ck <= Z;
-            }
-        }
-    int off, tot;
-    cub::BlockScan<int, THREADS>(s.scan).ExclusiveSum(n_above | (n_cand << 16), off, tot);
-    PROF(30);
-    int pos_above = off & 0xFFFF, pos_cand = off >> 16;
+    int pos_above = 0, pos_cand = 0; /* this CTA's first output slot and candidate slot */
     for (int r = 0; r < rank; r++) {
         pos_above += s.above[r];
         pos_cand += s.inb[r];
@@ -1058,26 +1141,52 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t cmb = smem_u32(&s.mb[2]);
     if (CLUSTER && cnt_in > 0 && rank == 0 && t == 0)
         mb_expect_bytes(cmb, (uint32_t)((cnt_in - s.inb[0]) * 8));
+    sweep([&](const RowTile<1, VEC> &tl) {
+        int n_above = 0, n_cand = 0;
 #pragma unroll
-    for (int j = 0; j < VEC; j++)
+        for (int j = 0; j < VEC; j++)
 #pragma unroll
-        for (int l = 0; l < 4; l++) {
-            const uint32_t key = tile.key[4 * j + l];
-            if (key == 0u)
-                continue;
-            const int idx = tile.index(j, l);
-            const unsigned long long ck = composite(key, idx);
-            if (aligned ? key > kz : ck > Z) {
-                orow[pos_above++] = idx;
-            } else if (aligned ? key >= ka : ck >= A) {
-                const uint2 v = make_uint2(key, (uint32_t)idx);
-                if (rank == 0)
-                    s.cand[pos_cand] = v;
-                else
-                    st_async_v2(peer_u32(smem_u32(&s.cand[pos_cand]), 0), v, peer_u32(cmb, 0));
-                pos_cand++;
+            for (int l = 0; l < 4; l++) {
+                const uint32_t key = tl.key[4 * j + l];
+                if (aligned) {
+                    n_above += key > kz;
+                    n_cand += key >= ka && key <= kz;
+                } else if (key != 0u) {
+                    const unsigned long long ck = composite(key, tl.index(j, l));
+                    n_above += ck > Z;
+                    n_cand += ck >= A && ck <= Z;
+                }
             }
-        }
+        /* per chunk: at most P <= 32768 above and CAND_CAP candidates, packed in one scan */
+        int off, tot;
+        cub::BlockScan<int, THREADS>(s.scan).ExclusiveSum(n_above | (n_cand << 16), off, tot);
+        PROF(30);
+        int pa = pos_above + (off & 0xFFFF), pc = pos_cand + (off >> 16);
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+#pragma unroll
+            for (int l = 0; l < 4; l++) {
+                const uint32_t key = tl.key[4 * j + l];
+                if (key == 0u)
+                    continue;
+                const int idx = tl.index(j, l);
+                const unsigned long long ck = composite(key, idx);
+                if (aligned ? key > kz : ck > Z) {
+                    orow[pa++] = idx;
+                } else if (aligned ? key >= ka : ck >= A) {
+                    const uint2 v = make_uint2(key, (uint32_t)idx);
+                    if (rank == 0)
+                        s.cand[pc] = v;
+                    else
+                        st_async_v2(peer_u32(smem_u32(&s.cand[pc]), 0), v, peer_u32(cmb, 0));
+                    pc++;
+                }
+            }
+        pos_above += tot & 0xFFFF;
+        pos_cand += tot >> 16;
+        if constexpr (STREAM)
+            __syncthreads(); /* s.scan is reused by the next chunk */
+    });
     if (rank == 0 && cnt_in > 0) {
         __syncthreads();
         if constexpr (CLUSTER)
@@ -1106,51 +1215,172 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
-template <bool CLUSTER, int VEC>
-cudaError_t xlaunch_one(const gvr_topk_params *p, int C, cudaStream_t stream)
+/* float4s per thread of the streamed GVR kernel (chunk = 2048 * XSTREAM_VEC elements); a build-time
+ * tuning define, measured in benchmarks/RESULTS.md */
+#ifndef GVR_XSTREAM_VEC
+#define GVR_XSTREAM_VEC 4
+#endif
+constexpr int XSTREAM_VEC = GVR_XSTREAM_VEC;
+constexpr int XSTREAM_MAX_C = 8;
+
+using XFn = void (*)(const float *, long long, int, const int *, const int *, long long, int, int, int *, long long,
+                     int, int);
+
+int sm_count()
 {
-    using Fn = void (*)(const float *, long long, int, const int *, const int *, long long, int, int, int *, long long,
-                        int);
-    Fn fn = gvr_xkernel<CLUSTER, VEC>;
-    static bool configured = false;
-    if (CLUSTER && !configured) {
-        cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-        if (e != cudaSuccess)
-            return e;
-        configured = true;
+    static int cached = 0;
+    if (!cached) {
+        int dev = 0, n = 0;
+        if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+            cached = n;
+        else
+            cached = 132;
     }
+    return cached;
+}
+
+cudaLaunchConfig_t x_config(const gvr_topk_params *p, int C, cudaStream_t stream, cudaLaunchAttribute *attr)
+{
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)(C * p->B), 1, 1);
     cfg.blockDim = dim3(THREADS, 1, 1);
     cfg.dynamicSmemBytes = 0;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = C;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, fn, p->scores, (long long)p->row_stride, p->N, p->lengths, p->prev,
-                              (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, p->out, (long long)p->out_stride, C);
+    return cfg;
 }
 
-/* float4s per thread the GVR kernel is built for; a row of N takes C = ceil(N / (2048 VEC)) CTAs */
-constexpr int XVECS[] = {2, 3, 4, 5, 6, 8, 12, 16};
-
-template <bool CLUSTER>
-cudaError_t xlaunch_vec(const gvr_topk_params *p, int vec, int C, cudaStream_t stream)
+int current_device()
 {
-    switch (vec) {
-    case 2: return xlaunch_one<CLUSTER, 2>(p, C, stream);
-    case 3: return xlaunch_one<CLUSTER, 3>(p, C, stream);
-    case 4: return xlaunch_one<CLUSTER, 4>(p, C, stream);
-    case 5: return xlaunch_one<CLUSTER, 5>(p, C, stream);
-    case 6: return xlaunch_one<CLUSTER, 6>(p, C, stream);
-    case 8: return xlaunch_one<CLUSTER, 8>(p, C, stream);
-    case 12: return xlaunch_one<CLUSTER, 12>(p, C, stream);
-    default: return xlaunch_one<CLUSTER, 16>(p, C, stream);
+    int dev = 0;
+    return cudaGetDevice(&dev) == cudaSuccess ? dev : 0;
+}
+
+template <bool CLUSTER, int VEC, bool STREAM>
+struct XInstance {
+    static XFn fn() { return gvr_xkernel<CLUSTER, VEC, STREAM>; }
+
+    static cudaError_t configure()
+    {
+        static bool configured = false;
+        if (CLUSTER && !configured) {
+            cudaError_t e = cudaFuncSetAttribute(fn(), cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+            if (e != cudaSuccess)
+                return e;
+            configured = true;
+        }
+        return cudaSuccess;
     }
+
+    /* how many rows (clusters of C CTAs) run at once on the current device (cached per device) */
+    static int resident_rows(int C)
+    {
+        static int cache[16][MAX_C + 1];
+        const int dev = current_device();
+        int *slot = dev < 16 ? &cache[dev][C] : nullptr;
+        if (slot && *slot)
+            return *slot;
+        int n = 0;
+        if (configure() == cudaSuccess) {
+            if (CLUSTER) {
+                gvr_topk_params q = {};
+                q.B = 1;
+                cudaLaunchAttribute attr[1];
+                cudaLaunchConfig_t cfg = x_config(&q, C, nullptr, attr);
+                if (cudaOccupancyMaxActiveClusters(&n, fn(), &cfg) != cudaSuccess)
+                    n = 0;
+            } else {
+                int per_sm = 0, dev_sms = 0;
+                if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn(), THREADS, 0) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&dev_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+                    n = per_sm * dev_sms;
+            }
+        }
+        cudaGetLastError(); /* a failed query is not the caller's error */
+        if (n <= 0)
+            n = 1; /* unknown: treat as one row per wave, the conservative answer */
+        else if (slot)
+            *slot = n;
+        return n;
+    }
+
+    static cudaError_t launch(const gvr_topk_params *p, int C, int nch, cudaStream_t stream)
+    {
+        cudaError_t e = configure();
+        if (e != cudaSuccess)
+            return e;
+        cudaLaunchAttribute attr[1];
+        const cudaLaunchConfig_t cfg = x_config(p, C, stream, attr);
+        return cudaLaunchKernelEx(&cfg, fn(), p->scores, (long long)p->row_stride, p->N, p->lengths, p->prev,
+                                  (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, p->out,
+                                  (long long)p->out_stride, C, nch);
+    }
+};
+
+/* float4s per thread the register-resident GVR kernel is built for; a row of N takes
+ * C = ceil(N / (2048 VEC)) CTAs */
+constexpr int XVECS[] = {2, 3, 4, 5, 6, 8, 12};
+
+/* Run f.template operator()<Instance>() for the instance of (cluster, vec, stream). */
+template <bool CLUSTER, class F>
+auto x_visit_vec(int vec, bool stream, F &&f)
+{
+    if (stream)
+        return f(XInstance<CLUSTER, XSTREAM_VEC, true>{});
+    switch (vec) {
+    case 2: return f(XInstance<CLUSTER, 2, false>{});
+    case 3: return f(XInstance<CLUSTER, 3, false>{});
+    case 4: return f(XInstance<CLUSTER, 4, false>{});
+    case 5: return f(XInstance<CLUSTER, 5, false>{});
+    case 6: return f(XInstance<CLUSTER, 6, false>{});
+    case 8: return f(XInstance<CLUSTER, 8, false>{});
+    default: return f(XInstance<CLUSTER, 12, false>{});
+    }
+}
+
+template <class F>
+auto x_visit(int C, int vec, bool stream, F &&f)
+{
+    return C > 1 ? x_visit_vec<true>(vec, stream, f) : x_visit_vec<false>(vec, stream, f);
+}
+
+struct XGeom {
+    int C, vec, nch;
+    bool stream;
+};
+
+int x_resident_rows(int C, int vec, bool stream)
+{
+    return x_visit(C, vec, stream, [C](auto inst) { return decltype(inst)::resident_rows(C); });
+}
+
+/* The GVR kernel's geometry: the row held in registers by the smallest VEC (<= max_vec) whose
+ * cluster (at most 16 CTAs) holds it while all B rows run at once (one wave); else the row streamed
+ * from memory in chunks by the largest cluster (at most 8) that keeps one wave, or one CTA per row. */
+XGeom x_geometry(const gvr_topk_params *p, int max_vec)
+{
+    for (int v : XVECS) {
+        if (v > max_vec)
+            break;
+        const long long c = ((long long)p->N + THREADS * 4 * v - 1) / (THREADS * 4 * v);
+        if (c <= MAX_C && p->B <= x_resident_rows((int)c, v, false))
+            return XGeom{(int)c, v, 1, false};
+    }
+    constexpr long long PS = THREADS * 4 * XSTREAM_VEC;
+    const long long chunks = ((long long)p->N + PS - 1) / PS;
+    int C = (int)(sm_count() / (p->B > 0 ? p->B : 1));
+    C = C < 1 ? 1 : (C > XSTREAM_MAX_C ? XSTREAM_MAX_C : C);
+    if (C > chunks)
+        C = (int)chunks;
+    while (C > 1 && p->B > x_resident_rows(C, XSTREAM_VEC, true))
+        C--;
+    const int nch = (int)((chunks + C - 1) / C);
+    return XGeom{C, XSTREAM_VEC, nch, true};
 }
 
 /* Sort each row's kk indices by (value descending, index ascending). */
@@ -1237,19 +1467,6 @@ cudaError_t launch_vec(const gvr_topk_params *p, int vec, int method, cudaStream
     }
 }
 
-int sm_count()
-{
-    static int cached = 0;
-    if (!cached) {
-        int dev = 0, n = 0;
-        if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
-            cached = n;
-        else
-            cached = 132;
-    }
-    return cached;
-}
-
 } // namespace
 
 extern "C" {
@@ -1307,65 +1524,50 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
     cudaStream_t stream = (cudaStream_t)stream_;
     if (p->B == 0 || p->k == 0)
         return 0;
-    if (p->N > 16 * RowTile<16, 16>::P) {
-        snprintf(g_last_error, sizeof g_last_error, "N = %d exceeds the largest supported row (%d)", p->N,
-                 16 * RowTile<16, 16>::P);
-        return 1;
-    }
     if (p->sorted && p->k > THREADS * 8) {
         snprintf(g_last_error, sizeof g_last_error, "sorted output supports k <= %d", THREADS * 8);
         return 1;
     }
-    /* Geometry: the smallest per-thread share (float4s held in registers) whose cluster size (at
-     * most 16) holds the row while the grid stays within about two CTAs per SM; otherwise the
-     * fewest CTAs per row. */
-    int C = 0, vec = 0;
-    for (int v = 2; v <= 16 && !C; v *= 2) {
-        int c = 1;
-        while (c * THREADS * 4 * v < p->N)
-            c *= 2;
-        if (c <= 16 && (long long)p->B * c <= 2LL * sm_count()) {
-            C = c;
-            vec = v;
-        }
-    }
-    if (!C) {
-        vec = 16;
-        C = 1;
-        while (C * THREADS * 4 * vec < p->N)
-            C *= 2;
-    }
-    /* AUTO: the GVR kernel while the grid is one wave (one 512-thread CTA per SM) without register
-     * spills; the radix path beyond (faster there on an H100, benchmarks/RESULTS.md). */
-    /* The GVR kernel's geometry: the smallest VEC whose cluster (any size up to 16) holds the row
-     * in one wave of CTAs, else the fewest CTAs per row. */
-    int xc = 0, xv = 0;
-    for (int v : XVECS) {
-        const int c = (int)(((long long)p->N + THREADS * 4 * v - 1) / (THREADS * 4 * v));
-        if (c <= 16 && (long long)p->B * c <= sm_count()) {
-            xc = c;
-            xv = v;
-            break;
-        }
-    }
-    const bool x_one_wave = xc != 0;
-    if (!xc) {
-        xv = 16;
-        xc = (int)(((long long)p->N + THREADS * 64 - 1) / (THREADS * 64));
-    }
-    int method = p->method;
-    if (method == GVR_TOPK_AUTO)
-        method = (x_one_wave && xv <= 8) ? GVR_TOPK_GVR : GVR_TOPK_RADIX;
+    /* AUTO is the GVR kernel: with or without a prediction it measured no slower than the radix
+     * path on an H100 in every benchmarked cell (benchmarks/RESULTS.md), and it serves any N. */
+    const int method = p->method == GVR_TOPK_AUTO ? GVR_TOPK_GVR : p->method;
     cudaError_t e;
-    if (method == GVR_TOPK_GVR)
-        e = xc > 1 ? xlaunch_vec<true>(p, xv, xc, stream) : xlaunch_vec<false>(p, xv, xc, stream);
-    else
-    switch (C) {
-    case 1: e = launch_vec<1>(p, vec, method, stream); break;
-    case 2: e = launch_vec<2>(p, vec, method, stream); break;
-    case 4: e = launch_vec<4>(p, vec, method, stream); break;
-    case 8: e = launch_vec<8>(p, vec, method, stream); break;
-    default: e = launch_vec<16>(p, vec, method, stream); break;
+    if (method == GVR_TOPK_GVR) {
+        const XGeom g = x_geometry(p, 12);
+        e = x_visit(g.C, g.vec, g.stream, [&](auto inst) { return decltype(inst)::launch(p, g.C, g.nch, stream); });
+    } else {
+        if (p->N > 16 * RowTile<16, 16>::P) {
+            snprintf(g_last_error, sizeof g_last_error,
+                     "N = %d exceeds the radix path's largest row (%d); method 'gvr' or 'auto' serves any N", p->N,
+                     16 * RowTile<16, 16>::P);
+            return 1;
+        }
+        /* Radix geometry: the smallest per-thread share (float4s held in registers) whose cluster size
+         * (at most 16) holds the row while the grid stays within about two CTAs per SM; otherwise the
+         * fewest CTAs per row. */
+        int C = 0, vec = 0;
+        for (int v = 2; v <= 16 && !C; v *= 2) {
+            int c = 1;
+            while (c * THREADS * 4 * v < p->N)
+                c *= 2;
+            if (c <= 16 && (long long)p->B * c <= 2LL * sm_count()) {
+                C = c;
+                vec = v;
+            }
+        }
+        if (!C) {
+            vec = 16;
+            C = 1;
+            while (C * THREADS * 4 * vec < p->N)
+                C *= 2;
+        }
+        switch (C) {
+        case 1: e = launch_vec<1>(p, vec, method, stream); break;
+        case 2: e = launch_vec<2>(p, vec, method, stream); break;
+        case 4: e = launch_vec<4>(p, vec, method, stream); break;
+        case 8: e = launch_vec<8>(p, vec, method, stream); break;
+        default: e = launch_vec<16>(p, vec, method, stream); break;
+        }
     }
     if (e != cudaSuccess)
         return set_error("gvr_topk_kernel launch", e);

@@ -36,6 +36,13 @@ if [ -f benchmarks/bench_topk.py ] && [ "$mode" = "full" ]; then
   (cd /tmp && timeout 280 python3 "$OLDPWD/benchmarks/bench_topk.py" --device cuda --out "$OUT/bench_cuda.json" --append-results "$OUT/RESULTS_cuda.md" --pool 2 --reps 40 --cold-reps 30) > "$OUT/bench_cuda.log" 2>&1; echo "bench exit $?"; tail -75 "$OUT/bench_cuda.log"
 else
   (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee "$OUT/quick_bench.log"
+  # quick mode: variants built on the workstation (build/libcmp*.so, e.g. other tuning defines) timed the same way
+  D=$(cd /tmp && python3 -c "import gvr, os; print(os.path.dirname(gvr.__file__))")
+  for lib in build/libcmp*.so; do
+    [ -f "$lib" ] || continue
+    echo "== $lib" | tee -a "$OUT/quick_bench.log"; cp "$lib" "$D/_lib/libgvr_cuda.so"
+    (cd /tmp && timeout 200 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee -a "$OUT/quick_bench.log"
+  done
 fi
 fi
 if [ "$mode" = "profile" ] && [ -f build/libprof.so ]; then

@@ -13,12 +13,12 @@ for N in (4096, 16384, 65536, 131072, 262144):
         tr = list(data.decode_trace(N, 2, k=k, overlap=ov, seed=1))
         x0, x1 = tr[0][:N], tr[1][:N]
         prev = torch.from_numpy(gvr.topk_decode(x0, k)).cuda()
-        for B in (1, 64):
+        for B in (1, 8, 64):
             xg = torch.from_numpy(np.tile(x1, (B, 1))).cuda()
             pb = prev.expand(B, k).contiguous()
             out = torch.empty((B, k), dtype=torch.int32, device="cuda")
             t_pred = timeit(lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out))
             t_nop = timeit(lambda: gvr.topk_decode(xg, k, out=out, method="gvr"))
             t_rad = timeit(lambda: gvr.topk_decode(xg, k, out=out, method="radix"))
-            t_torch = timeit(lambda: torch.topk(xg, k, dim=-1, sorted=False))
+            t_torch = timeit(lambda: torch.topk(xg, k, dim=-1, sorted=False)) if "--torch" in sys.argv else float("nan")
             print(f"N={N:7d} ov={ov:.2f} B={B:3d}  gvr+prev {t_pred:7.2f}  gvr-noprev {t_nop:7.2f}  radix {t_rad:7.2f}  torch {t_torch:7.2f} us", flush=True)

@@ -13,6 +13,9 @@ for N in (3000, 70001):  # 1-CTA rows, 16-CTA clusters
     cases.append(x)
 cases.append(np.stack([data.adversarial("nan_heavy", 5000, k=64), data.adversarial("all_equal", 5000, k=64)]))
 cases.append(np.stack([data.adversarial("all_equal", 20001, k=64), data.adversarial("nan_heavy", 20001, k=64)]))
+# streamed GVR kernel: one CTA per row (300 rows), and 3-CTA clusters re-reading 200K rows in chunks
+cases.append(rng.standard_normal((300, 3000)).astype(np.float32))
+cases.append(rng.standard_normal((40, 200001)).astype(np.float32))
 for x in cases:
     xg = torch.from_numpy(x).cuda()
     want = gvr.topk_decode(x, 64)
@@ -24,9 +27,10 @@ for x in cases:
             got = gvr.topk_decode(xg, 64, prev_topk=prev, method=method).cpu().numpy()
             assert (np.sort(got, 1) == np.sort(want, 1)).all(), (x.shape, method)
             for ln in all_lengths:
-                lengths = torch.tensor(ln, dtype=torch.int32, device="cuda")
+                ln = np.resize(np.array(ln, dtype=np.int32), x.shape[0])  # one length per row
+                lengths = torch.from_numpy(ln).cuda()
                 got = gvr.topk_decode(xg, 64, prev_topk=prev, lengths=lengths, method=method, sorted=True).cpu().numpy()
-                exp = gvr.topk_decode(x, 64, lengths=np.array(ln, dtype=np.int32), sorted=True)
+                exp = gvr.topk_decode(x, 64, lengths=ln, sorted=True)
                 assert (got == exp).all(), (x.shape, method, ln)
 torch.cuda.synchronize()
 print("sanitize case ok")

@@ -219,3 +219,32 @@ def test_decoder_cuda_graph_replay_matches_eager():
     last = eager_out[-1][0].cpu().numpy()
     want = cpu_result(xs[(steps - 1) % len(xs)].cpu().numpy(), k)
     assert_same_sets(last, want, "eager decoder vs CPU")
+
+
+@pytest.mark.parametrize("B,N", ((300, 3000), (40, 200001), (64, 131072)))
+def test_streamed_geometries(B, N):
+    # more rows than fit on the GPU at once with the row held in registers: the streamed GVR kernel
+    # (one CTA per row at B=300, clusters re-reading the row in chunks at B=40 and B=64)
+    x = data.iid_scores(B, N, dist="normal", seed=N)
+    x[:, ::5] = np.round(x[:, ::5])  # ties
+    lengths = data.ragged_lengths(B, N, seed=3).astype(np.int32)
+    xg = gpu(x)
+    for k in (64, 2048):
+        want = cpu_result(x, k, lengths=lengths)
+        for prev in (None, gpu(want)):
+            for m in ("auto", "gvr"):
+                got = gvr.topk_decode(xg, k, lengths=gpu(lengths), prev_topk=prev, method=m)
+                assert_same_sets(got.cpu().numpy(), want, f"B={B} N={N} k={k} {m} prev={prev is not None}")
+
+
+def test_rows_beyond_the_radix_limit():
+    # the GVR kernel streams rows of any length; the radix path holds at most 16 * 32768 per row
+    N = 600001
+    x = data.iid_scores(2, N, dist="normal", seed=9)
+    xg = gpu(x)
+    for k in (1, 2048):
+        want = cpu_result(x, k)
+        for m in ("auto", "gvr"):
+            assert_same_sets(gvr.topk_decode(xg, k, method=m).cpu().numpy(), want, f"N={N} k={k} {m}")
+    with pytest.raises(ValueError, match="exceed the radix path"):
+        gvr.topk_decode(xg, 2048, method="radix")
