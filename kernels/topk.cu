@@ -34,6 +34,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 
 #include "gvr_kernels.h"
 
@@ -142,21 +143,22 @@ __device__ __forceinline__ const int *remote(const int *p, int r)
         return p;
 }
 
-/* Deterministic block sum of 4 floats (fixed shuffle tree, fixed warp order). */
-template <class S>
-__device__ void block_sum4(float v[4], S &s)
+/* Deterministic block sum of M <= 8 floats (fixed shuffle tree, fixed warp order). */
+template <int M, class S>
+__device__ void block_sum(float (&v)[M], S &s)
 {
+    static_assert(M <= sizeof(s.stats) / sizeof(float), "block_sum: scratch too small");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < M; i++)
         for (int o = 16; o > 0; o >>= 1)
             v[i] += __shfl_xor_sync(0xFFFFFFFFu, v[i], o);
     if (lane == 0)
 #pragma unroll
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < M; i++)
             s.red[warp][i] = v[i];
     __syncthreads();
-    if (threadIdx.x < 4) {
+    if (threadIdx.x < M) {
         float t = 0.f;
         for (int w = 0; w < WARPS; w++)
             t += s.red[w][threadIdx.x];
@@ -164,7 +166,7 @@ __device__ void block_sum4(float v[4], S &s)
     }
     __syncthreads();
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < M; i++)
         v[i] = s.stats[i];
     __syncthreads();
 }
@@ -334,6 +336,19 @@ struct Layout {
     double kscale;
 };
 
+/* bin of a key in a value layout: 0 below v0 (and NaN, past-the-row), NBINS - 1 at or above the
+ * band's top, else 1 + the bin of width 1 / inv_w */
+template <int NBINS>
+__device__ __forceinline__ int value_bin(float v0, float inv_w, uint32_t key)
+{
+    if (key <= 1u)
+        return 0; /* NaN (and past-the-row) */
+    const float u = (key_value(key) - v0) * inv_w;
+    if (!(u >= 0.f))
+        return 0;
+    return u >= (float)(NBINS - 2) ? NBINS - 1 : (int)u + 1;
+}
+
 template <int NBINS = NB>
 __device__ __forceinline__ int layout_bin(const Layout &lay, uint32_t key)
 {
@@ -341,12 +356,7 @@ __device__ __forceinline__ int layout_bin(const Layout &lay, uint32_t key)
         const double u = (double)(key - lay.a) * lay.kscale;
         return u >= (double)(NBINS - 2) ? NBINS - 1 : (int)u + 1;
     }
-    if (key <= 1u)
-        return 0; /* NaN (and past-the-row) */
-    const float u = (key_value(key) - lay.v0) * lay.inv_w;
-    if (!(u >= 0.f))
-        return 0;
-    return u >= (float)(NBINS - 2) ? NBINS - 1 : (int)u + 1;
+    return value_bin<NBINS>(lay.v0, lay.inv_w, key);
 }
 
 __device__ Layout make_layout(const Interval &iv, bool first, bool value_ok, float center, float spread)
@@ -697,7 +707,16 @@ __global__ void __launch_bounds__(THREADS, 1)
  * ------------------------------------------------------------------------------------------- */
 constexpr int XB = 256;           /* bins per round */
 constexpr int XW = XB / 2;        /* 32-bit words per histogram (two 16-bit counts) */
-constexpr int CAND_CAP = 256;     /* candidates ranked by rank 0 */
+constexpr int CAND_CAP = 256; /* candidates ranked by rank 0 */
+/* first-round band half-widths in standard deviations of the predicted scores / of the sample
+ * (build-time tuning defines, measured in benchmarks/RESULTS.md) */
+#ifndef GVR_PRED_SPREAD
+#define GVR_PRED_SPREAD 2.5f
+#endif
+#ifndef GVR_SAMPLE_SPREAD
+#define GVR_SAMPLE_SPREAD 1.5f
+#endif
+constexpr float PRED_SPREAD = GVR_PRED_SPREAD, SAMPLE_SPREAD = GVR_SAMPLE_SPREAD;
 constexpr int MAX_C = 16;
 constexpr int MAX_VALUE_ROUNDS = 4;
 
@@ -713,12 +732,12 @@ struct XCounts {
         else
             return (int)((h[b >> 1] >> ((b & 1) * 16)) & 0xFFFFu);
     }
-    static __device__ __forceinline__ void add(uint32_t *h, int b)
+    static __device__ __forceinline__ void add(uint32_t *h, int b, uint32_t n = 1u)
     {
         if constexpr (STREAM)
-            atomicAdd(&h[b], 1u);
+            atomicAdd(&h[b], n);
         else
-            atomicAdd(&h[b >> 1], 1u << ((b & 1) * 16));
+            atomicAdd(&h[b >> 1], n << ((b & 1) * 16));
     }
 };
 
@@ -731,8 +750,8 @@ struct XShared {
     int above[MAX_C];                         /* per rank: elements above Z */
     int inb[MAX_C];                           /* per rank: elements in [A, Z] */
     unsigned long long mb[3];                 /* mbarriers: exchange (2 parities), candidates */
-    float red[WARPS][4];
-    float stats[4];
+    float red[WARPS][8];
+    float stats[8];
     int pick[4];
     typename cub::BlockScan<int, THREADS>::TempStorage scan;
 };
@@ -829,6 +848,22 @@ __device__ __forceinline__ XMap value_map(float v0, float inv_w)
     return m;
 }
 
+/* output class of an element: 0 below A, 1 candidate ([A, Z]), 2 above Z; AL: A and Z key-aligned
+ * (32-bit key compares; key 0, past the row, is below any A) */
+template <bool AL>
+__device__ __forceinline__ int out_class(uint32_t key, int idx, uint32_t ka, uint32_t kz, unsigned long long A,
+                                         unsigned long long Z)
+{
+    if constexpr (AL) {
+        return key > kz ? 2 : key >= ka ? 1 : 0;
+    } else {
+        if (key == 0u)
+            return 0;
+        const unsigned long long ck = composite(key, idx);
+        return ck > Z ? 2 : ck >= A ? 1 : 0;
+    }
+}
+
 template <bool CLUSTER, int VEC, bool STREAM>
 __global__ void __launch_bounds__(THREADS, 1)
     gvr_xkernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
@@ -892,9 +927,18 @@ __global__ void __launch_bounds__(THREADS, 1)
     RowTile<1, VEC> tile; /* the row (STREAM false: loaded once, held in registers) */
     if constexpr (!STREAM)
         tile.load_raw(xr, L, rank);
+    /* the strided sample (always: it also judges the prediction), independent of the gathers */
+    constexpr int SPT = SAMPLE / THREADS;
+    const int sm = L < SAMPLE ? L : SAMPLE;
+    float sval[SPT];
     float pval[PRED_PER_THREAD];
     float pivot = 0.f;
     if (search) {
+#pragma unroll
+        for (int i = 0; i < SPT; i++) {
+            const int j = t + i * THREADS;
+            sval[i] = j < sm ? __ldg(xr + (int)(((long long)j * L) / sm)) : __int_as_float(0x7FC00000);
+        }
 #pragma unroll
         for (int i = 0; i < PRED_PER_THREAD; i++)
             pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? __ldg(xr + pidx[i]) : __int_as_float(0x7FC00000);
@@ -927,11 +971,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     XMap map = shift_map(A, Z);
     if (search) {
-        /* Phase 1 (guess): mean and spread of the predicted scores, or of a strided sample, in one
-         * block reduction of (n, sum d, sum d^2), d = v - pivot (a value of the same row, so that
+        /* Phase 1 (guess): mean and spread of the predicted scores and of a strided sample, in one
+         * block reduction of (n, sum d, sum d^2) each, d = v - pivot (a value of the same row, so that
          * E[d^2] - E[d]^2 does not cancel) */
-        float st[4] = {0.f, 0.f, 0.f, 0.f};
-        bool predicted = false;
+        float st[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         pivot = isfinite(pivot) ? pivot : 0.f;
         if (kp >= 16) {
 #pragma unroll
@@ -942,38 +985,32 @@ __global__ void __launch_bounds__(THREADS, 1)
                     st[1] += d;
                     st[2] += d * d;
                 }
-            block_sum4(st, s);
-            st[3] = pivot;
-            predicted = st[0] >= 16.f;
         }
-        if (!predicted) {
-            constexpr int SPT = SAMPLE / THREADS;
-            const int m = L < SAMPLE ? L : SAMPLE;
-            st[0] = st[1] = st[2] = 0.f;
 #pragma unroll
-            for (int i = 0; i < SPT; i++) {
-                const int j = t + i * THREADS;
-                const float v = j < m ? __ldg(xr + (int)(((long long)j * L) / m)) : __int_as_float(0x7FC00000);
-                if (isfinite(v)) {
-                    const float d = v - pivot;
-                    st[0] += 1.f;
-                    st[1] += d;
-                    st[2] += d * d;
-                }
+        for (int i = 0; i < SPT; i++)
+            if (isfinite(sval[i])) {
+                const float d = sval[i] - pivot;
+                st[3] += 1.f;
+                st[4] += d;
+                st[5] += d * d;
             }
-            block_sum4(st, s);
-            st[3] = pivot;
-        }
-        const float n = fmaxf(st[0], 1.f), md = st[1] / n, mean = st[3] + md;
-        const float sd = sqrtf(fmaxf(st[2] / n - md * md, 0.f));
-        float center, spread;
-        if (predicted) {
-            center = mean; /* the previous Top-K straddles the current k-th value */
-            spread = 2.5f * sd;
-        } else {
-            const float frac = fminf(fmaxf(1.15f * (float)kk / (float)L, 1e-7f), 0.999999f);
-            center = mean + sd * 1.41421356f * erfcinvf(2.f * frac);
-            spread = 1.5f * sd;
+        block_sum(st, s);
+        const float ns = fmaxf(st[3], 1.f), mds = st[4] / ns, mean_s = pivot + mds;
+        const float sd_s = sqrtf(fmaxf(st[5] / ns - mds * mds, 0.f));
+        const float frac = fminf(fmaxf(1.15f * (float)kk / (float)L, 1e-7f), 0.999999f);
+        float center = mean_s + sd_s * 1.41421356f * erfcinvf(2.f * frac); /* normal quantile of the sample */
+        float spread = SAMPLE_SPREAD * sd_s;
+        if (st[0] >= 16.f) {
+            const float np = st[0], mdp = st[1] / np, mean_p = pivot + mdp;
+            const float sd_p = sqrtf(fmaxf(st[2] / np - mdp * mdp, 0.f));
+            /* A useful prediction sits in the upper tail: its mean at least halfway from the sample's
+             * mean to the sample's threshold estimate. Then the previous Top-K straddles the current
+             * k-th value and its spread is the band; otherwise (a poor prediction, e.g. 2% overlap)
+             * the sample's guess is kept. */
+            if (mean_p >= 0.5f * (mean_s + center) && sd_p > 0.f) {
+                center = mean_p;
+                spread = PRED_SPREAD * sd_p;
+            }
         }
         const float inv_w = (float)(XB - 2) / (2.f * spread);
         if (spread > 0.f && value_layout_ok(center - spread, inv_w))
@@ -1007,27 +1044,40 @@ __global__ void __launch_bounds__(THREADS, 1)
     int par = 0, value_rounds = 0;
     uint32_t phases = 0;
     while (cnt_in > CAND_CAP) {
-        const bool aligned = map.value; /* A, Z key-aligned: compare 32-bit keys only */
         const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
-        sweep([&](const RowTile<1, VEC> &tl) {
+        int top = 0; /* this thread's elements in the top bin (above the band: counted in a register) */
+        /* bin 0 (below the band: most elements) follows from the totals; the two maps get their own
+         * loops so that the hot one carries no per-element branch on the map kind */
+        if (map.value) {
+            const float v0 = map.lay.v0, iw = map.lay.inv_w; /* A, Z key-aligned: 32-bit keys only */
+            sweep([&](const RowTile<1, VEC> &tl) {
 #pragma unroll
-            for (int j = 0; j < VEC; j++)
-#pragma unroll
-                for (int l = 0; l < 4; l++) {
-                    const uint32_t key = tl.key[4 * j + l];
-                    int b = 0;
-                    if (aligned) {
-                        if (key >= ka && key <= kz)
-                            b = layout_bin<XB>(map.lay, key);
-                    } else {
-                        const unsigned long long ck = composite(key, tl.index(j, l));
-                        if (key != 0u && ck >= A && ck <= Z)
-                            b = (int)((ck - A) >> map.sh);
-                    }
-                    if (b) /* bin 0 (below the band: most elements) follows from the totals */
+                for (int i = 0; i < 4 * VEC; i++) {
+                    const uint32_t key = tl.key[i];
+                    const int b = (key >= ka && key <= kz) ? value_bin<XB>(v0, iw, key) : 0;
+                    top += b == XB - 1;
+                    if (b && b < XB - 1)
                         Cnt::add(s.hist, b);
                 }
-        });
+            });
+        } else {
+            sweep([&](const RowTile<1, VEC> &tl) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++)
+#pragma unroll
+                    for (int l = 0; l < 4; l++) {
+                        const uint32_t key = tl.key[4 * j + l];
+                        const unsigned long long ck = composite(key, tl.index(j, l));
+                        const int b = (key != 0u && ck >= A && ck <= Z) ? (int)((ck - A) >> map.sh) : 0;
+                        top += b == XB - 1;
+                        if (b && b < XB - 1)
+                            Cnt::add(s.hist, b);
+                    }
+            });
+        }
+        top = __reduce_add_sync(0xFFFFFFFFu, top);
+        if (lane == 0 && top)
+            Cnt::add(s.hist, XB - 1, top);
         __syncthreads();
         PROF(20);
         if (t < HW)
@@ -1141,52 +1191,56 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t cmb = smem_u32(&s.mb[2]);
     if (CLUSTER && cnt_in > 0 && rank == 0 && t == 0)
         mb_expect_bytes(cmb, (uint32_t)((cnt_in - s.inb[0]) * 8));
-    sweep([&](const RowTile<1, VEC> &tl) {
-        int n_above = 0, n_cand = 0;
+    /* one loop per bound kind (key-aligned or composite), without a per-element branch on it: the
+     * first loop counts this thread's elements above Z and candidates, the second (skipped by
+     * threads with none: most of them) writes them */
+    auto output_pass = [&](auto aligned_c) {
+        constexpr bool AL = decltype(aligned_c)::value;
+        sweep([&](const RowTile<1, VEC> &tl) {
+            int n_above = 0, n_cand = 0;
 #pragma unroll
-        for (int j = 0; j < VEC; j++)
+            for (int j = 0; j < VEC; j++)
 #pragma unroll
-            for (int l = 0; l < 4; l++) {
-                const uint32_t key = tl.key[4 * j + l];
-                if (aligned) {
-                    n_above += key > kz;
-                    n_cand += key >= ka && key <= kz;
-                } else if (key != 0u) {
-                    const unsigned long long ck = composite(key, tl.index(j, l));
-                    n_above += ck > Z;
-                    n_cand += ck >= A && ck <= Z;
+                for (int l = 0; l < 4; l++) {
+                    const int c = out_class<AL>(tl.key[4 * j + l], tl.index(j, l), ka, kz, A, Z);
+                    n_above += c == 2;
+                    n_cand += c == 1;
                 }
-            }
-        /* per chunk: at most P <= 32768 above and CAND_CAP candidates, packed in one scan */
-        int off, tot;
-        cub::BlockScan<int, THREADS>(s.scan).ExclusiveSum(n_above | (n_cand << 16), off, tot);
-        PROF(30);
-        int pa = pos_above + (off & 0xFFFF), pc = pos_cand + (off >> 16);
+            /* per chunk: at most P <= 32768 above and CAND_CAP candidates, packed in one scan */
+            int off, tot;
+            cub::BlockScan<int, THREADS>(s.scan).ExclusiveSum(n_above | (n_cand << 16), off, tot);
+            PROF(30);
+            int pa = pos_above + (off & 0xFFFF), pc = pos_cand + (off >> 16);
+            if (n_above | n_cand) {
 #pragma unroll
-        for (int j = 0; j < VEC; j++)
+                for (int j = 0; j < VEC; j++)
 #pragma unroll
-            for (int l = 0; l < 4; l++) {
-                const uint32_t key = tl.key[4 * j + l];
-                if (key == 0u)
-                    continue;
-                const int idx = tl.index(j, l);
-                const unsigned long long ck = composite(key, idx);
-                if (aligned ? key > kz : ck > Z) {
-                    orow[pa++] = idx;
-                } else if (aligned ? key >= ka : ck >= A) {
-                    const uint2 v = make_uint2(key, (uint32_t)idx);
-                    if (rank == 0)
-                        s.cand[pc] = v;
-                    else
-                        st_async_v2(peer_u32(smem_u32(&s.cand[pc]), 0), v, peer_u32(cmb, 0));
-                    pc++;
-                }
+                    for (int l = 0; l < 4; l++) {
+                        const uint32_t key = tl.key[4 * j + l];
+                        const int idx = tl.index(j, l);
+                        const int c = out_class<AL>(key, idx, ka, kz, A, Z);
+                        if (c == 2) {
+                            orow[pa++] = idx;
+                        } else if (c == 1) {
+                            const uint2 v = make_uint2(key, (uint32_t)idx);
+                            if (rank == 0)
+                                s.cand[pc] = v;
+                            else
+                                st_async_v2(peer_u32(smem_u32(&s.cand[pc]), 0), v, peer_u32(cmb, 0));
+                            pc++;
+                        }
+                    }
             }
-        pos_above += tot & 0xFFFF;
-        pos_cand += tot >> 16;
-        if constexpr (STREAM)
-            __syncthreads(); /* s.scan is reused by the next chunk */
-    });
+            pos_above += tot & 0xFFFF;
+            pos_cand += tot >> 16;
+            if constexpr (STREAM)
+                __syncthreads(); /* s.scan is reused by the next chunk */
+        });
+    };
+    if (aligned)
+        output_pass(std::true_type{});
+    else
+        output_pass(std::false_type{});
     if (rank == 0 && cnt_in > 0) {
         __syncthreads();
         if constexpr (CLUSTER)
@@ -1222,6 +1276,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 constexpr int XSTREAM_VEC = GVR_XSTREAM_VEC;
 constexpr int XSTREAM_MAX_C = 8;
+constexpr int AUTO_RADIX_MAX_N = THREADS * 4 * 2; /* AUTO takes the radix path up to this N */
+#ifndef GVR_XSTREAM_CTAS_PER_SM
+#define GVR_XSTREAM_CTAS_PER_SM 1
+#endif
+constexpr int XSTREAM_CTAS_PER_SM = GVR_XSTREAM_CTAS_PER_SM; /* streamed CTAs per SM the geometry aims at */
 
 using XFn = void (*)(const float *, long long, int, const int *, const int *, long long, int, int, int *, long long,
                      int, int);
@@ -1373,7 +1432,7 @@ XGeom x_geometry(const gvr_topk_params *p, int max_vec)
     }
     constexpr long long PS = THREADS * 4 * XSTREAM_VEC;
     const long long chunks = ((long long)p->N + PS - 1) / PS;
-    int C = (int)(sm_count() / (p->B > 0 ? p->B : 1));
+    int C = (int)(sm_count() * XSTREAM_CTAS_PER_SM / (p->B > 0 ? p->B : 1));
     C = C < 1 ? 1 : (C > XSTREAM_MAX_C ? XSTREAM_MAX_C : C);
     if (C > chunks)
         C = (int)chunks;
@@ -1528,9 +1587,10 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
         snprintf(g_last_error, sizeof g_last_error, "sorted output supports k <= %d", THREADS * 8);
         return 1;
     }
-    /* AUTO is the GVR kernel: with or without a prediction it measured no slower than the radix
-     * path on an H100 in every benchmarked cell (benchmarks/RESULTS.md), and it serves any N. */
-    const int method = p->method == GVR_TOPK_AUTO ? GVR_TOPK_GVR : p->method;
+    /* AUTO: the GVR kernel, except for rows that one CTA's registers hold at two float4s per thread
+     * (N <= 4096), where the radix path's single-CTA digit rounds measured faster on an H100
+     * (benchmarks/RESULTS.md). Both are exact: the choice changes speed only. */
+    const int method = p->method != GVR_TOPK_AUTO ? p->method : p->N <= AUTO_RADIX_MAX_N ? GVR_TOPK_RADIX : GVR_TOPK_GVR;
     cudaError_t e;
     if (method == GVR_TOPK_GVR) {
         const XGeom g = x_geometry(p, 12);

@@ -8,7 +8,7 @@ from quick_gpu_bench_lib import timeit
 
 k = 2048
 print(torch.cuda.get_device_name())
-for N in (4096, 16384, 65536, 131072, 262144):
+for N in (4096, 8192, 16384, 65536, 131072, 262144):
     for ov in (0.45, 0.02):
         tr = list(data.decode_trace(N, 2, k=k, overlap=ov, seed=1))
         x0, x1 = tr[0][:N], tr[1][:N]
@@ -17,7 +17,7 @@ for N in (4096, 16384, 65536, 131072, 262144):
             xg = torch.from_numpy(np.tile(x1, (B, 1))).cuda()
             pb = prev.expand(B, k).contiguous()
             out = torch.empty((B, k), dtype=torch.int32, device="cuda")
-            t_pred = timeit(lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out))
+            t_pred = timeit(lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out, method="gvr"))
             t_nop = timeit(lambda: gvr.topk_decode(xg, k, out=out, method="gvr"))
             t_rad = timeit(lambda: gvr.topk_decode(xg, k, out=out, method="radix"))
             t_torch = timeit(lambda: torch.topk(xg, k, dim=-1, sorted=False)) if "--torch" in sys.argv else float("nan")
