@@ -888,7 +888,9 @@ def cuda_bars(cells):
     v = t(c, "gvr_prev") if c else None
     add("cuda_b64_128k_latency", None if v is None else v <= 35.0,
         f"~45% overlap, B=64, N=128K: gvr with prediction {fmt_us(v)} us warm (bar: <= 35 us)", v)
-    for m, tol, label in (("gvr_prev", 1.0, "gvr (auto) with prediction"), ("gvr", 1.05, "gvr (auto) without prediction")):
+    # 5% noise margin for both: at N <= 4096 AUTO runs the radix path itself, so the two columns time
+    # the same kernel there
+    for m, tol, label in (("gvr_prev", 1.05, "gvr (auto) with prediction"), ("gvr", 1.05, "gvr (auto) without prediction")):
         slower = []
         checked = 0
         for c in cells:

@@ -17,8 +17,10 @@
  * cluster through distributed shared memory (one cluster barrier), and keeps the bin that holds the
  * kk-th key. It ends when [a, z) is one key (or a boundary has count exactly kk).
  *  - GVR (paper 000, sections 4-5, adapted): its own kernel, gvr_xkernel below (guess from the
- *    previous step's Top-K, one exchange round of 256 value bins around it, exact ranking of the
- *    few candidates left; see its comment). AUTO dispatches there while the grid is one wave.
+ *    previous step's Top-K or a strided sample, exchange rounds of 256 value bins around it, exact
+ *    ranking of the few candidates left; see its comment). Rows that the registers of a resident
+ *    grid cannot hold are streamed: each CTA re-reads its segment chunk by chunk in every pass, so
+ *    N is limited only by int32 indices (2^30 here). AUTO dispatches there for N > 4096.
  *  - Radix (the production design): bins are 11/11/10-bit digits of the key; each round sums the
  *    histogram over the cluster by a reduce-scatter through distributed shared memory.
  * Ties at the k-th key: the same rounds search the index bound among elements equal to it (the kk-th
@@ -697,9 +699,15 @@ __global__ void __launch_bounds__(THREADS, 1)
  * the kk-th largest. When cnt_in <= CAND_CAP the candidates are pushed to rank 0, which ranks them
  * exactly (ties included, since composite keys are unique) and writes the `need` best; every CTA
  * writes its elements above Z at offsets known from the exchanged per-rank counts.
- *  - Guess (GVR phase 1): mean and spread of the scores at the previous step's Top-K (each CTA
- *    gathers them itself: no exchange), or of a strided sample with a normal quantile; the first
- *    round spreads 254 bins evenly in value over center +- spread, one bin below, one above.
+ *  - Guess (GVR phase 1): mean and spread of the scores at the previous step's Top-K and of a
+ *    strided sample of 1024 (each CTA gathers them itself: no exchange; one block reduction). The
+ *    prediction is used when its mean lies at least halfway from the sample's mean to the sample's
+ *    normal-quantile estimate of the k-th value (a useful previous Top-K sits in the upper tail);
+ *    otherwise (no or a poor prediction) the sample's estimate is the center. The first round
+ *    spreads 254 bins evenly in value over center +- spread, one bin below, one above (the bin
+ *    above the band is counted in registers: it can hold many elements).
+ *  - Streamed rows (STREAM): per-CTA segments of nch chunks of P elements; every pass re-reads the
+ *    chunks with the next chunk's loads in flight; 32-bit counts; the output pass scans per chunk.
  *  - Value rounds (at most 4): even value bins over a bracket, or a band 8x wider next to an open
  *    side when the k-th value fell outside the previous band.
  *  - Shift rounds: bins (ck - A) >> s on the composite key, 8 bits per round; they end the search

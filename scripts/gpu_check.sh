@@ -32,6 +32,13 @@ if [ "$mode" = "full" ]; then
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
   done
 fi
+if [ "$mode" = "full" ]; then
+  (cd /tmp && timeout 120 python3 -m gvr) 2>&1 | tee "$OUT/demo.log" | tail -6
+  # warm-L2 memory counters of one streamed call (B=64, N=128K): where the streamed passes stand
+  (cd /tmp && timeout 120 ncu --cache-control none --kernel-name regex:xkernel --launch-skip 2 --launch-count 1 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum \
+    python3 "$OLDPWD/scripts/ncu_case.py" 131072 64) > "$OUT/ncu_b64.log" 2>&1; grep -E "duration|dram__|lts__" "$OUT/ncu_b64.log"
+fi
 if [ -f benchmarks/bench_topk.py ] && [ "$mode" = "full" ]; then
   (cd /tmp && timeout 280 python3 "$OLDPWD/benchmarks/bench_topk.py" --device cuda --out "$OUT/bench_cuda.json" --append-results "$OUT/RESULTS_cuda.md" --pool 2 --reps 40 --cold-reps 30) > "$OUT/bench_cuda.log" 2>&1; echo "bench exit $?"; tail -75 "$OUT/bench_cuda.log"
 else
