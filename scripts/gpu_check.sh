@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for the chip present, GPU tests, compute-sanitizer, benchmark.
-# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|full|profile|probe]
+# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|check|bench|full|profile|probe]
+#   quick: tests + quick bench; check: tests + sanitizer + demo + ncu probe; bench: the full benchmark;
+#   full: check + bench (over 10 minutes on an H100 now: run check and bench as two calls)
 set -u -o pipefail
 OUT=${OUT:-/tmp/gvr_out}; mkdir -p "$OUT"
 mode=${1:-full}
@@ -22,26 +24,27 @@ if [ "$mode" = "probe" ]; then
   (cd /tmp && python3 "$OLDPWD/scripts/floor_probe.py") 2>&1 | tee "$OUT/floor_probe.log"
   exit 0
 fi
-if [ "$mode" != "profile" ]; then
+if [ "$mode" != "profile" ] && [ "$mode" != "bench" ]; then
 cd tests
 timeout 400 python3 -m pytest -x -q -p no:cacheprovider test_topk_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 cd ..
-if [ "$mode" = "full" ]; then
+if [ "$mode" = "full" ] || [ "$mode" = "check" ]; then
   for tool in memcheck racecheck; do
     (cd /tmp && timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$OLDPWD/scripts/sanitize_case.py") > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
   done
 fi
-if [ "$mode" = "full" ]; then
+if [ "$mode" = "full" ] || [ "$mode" = "check" ]; then
   (cd /tmp && timeout 120 python3 -m gvr) 2>&1 | tee "$OUT/demo.log" | tail -6
   # warm-L2 memory counters of one streamed call (B=64, N=128K): where the streamed passes stand
   (cd /tmp && timeout 120 ncu --cache-control none --kernel-name regex:xkernel --launch-skip 2 --launch-count 1 \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum \
     python3 "$OLDPWD/scripts/ncu_case.py" 131072 64) > "$OUT/ncu_b64.log" 2>&1; grep -E "duration|dram__|lts__" "$OUT/ncu_b64.log"
 fi
-if [ -f benchmarks/bench_topk.py ] && [ "$mode" = "full" ]; then
+fi
+if [ "$mode" = "full" ] || [ "$mode" = "bench" ]; then
   (cd /tmp && timeout 280 python3 "$OLDPWD/benchmarks/bench_topk.py" --device cuda --out "$OUT/bench_cuda.json" --append-results "$OUT/RESULTS_cuda.md" --pool 2 --reps 40 --cold-reps 30) > "$OUT/bench_cuda.log" 2>&1; echo "bench exit $?"; tail -75 "$OUT/bench_cuda.log"
-else
+elif [ "$mode" = "quick" ]; then
   (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee "$OUT/quick_bench.log"
   # quick mode: variants built on the workstation (build/libcmp*.so, e.g. other tuning defines) timed the same way
   D=$(cd /tmp && python3 -c "import gvr, os; print(os.path.dirname(gvr.__file__))")
@@ -50,7 +53,6 @@ else
     echo "== $lib" | tee -a "$OUT/quick_bench.log"; cp "$lib" "$D/_lib/libgvr_cuda.so"
     (cd /tmp && timeout 200 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee -a "$OUT/quick_bench.log"
   done
-fi
 fi
 if [ "$mode" = "profile" ] && [ -f build/libprof.so ]; then
   for lib in build/libprof*.so; do
