@@ -231,8 +231,12 @@ static int from_dlpack(PyObject *obj, int writable, intptr_t stream, gvr_view *v
         return -1;
     /* Stream hand-shake (DLPack): for CUDA producers pass the stream we will use the data on, so
      * the producer orders its pending work before it; 0 is ambiguous in the spec, so the legacy
-     * default stream is 1. CPU producers get None. */
-    if (dev == GVR_DEV_CUDA && stream != -1)
+     * default stream is 1. When that stream is the producer's current stream, -1 (no
+     * synchronization: torch spends ~13 us per tensor on an equal-stream check otherwise). CPU
+     * producers get None. */
+    if (dev == GVR_DEV_CUDA && stream == GVR_STREAM_PRODUCER_CURRENT)
+        stream_obj = PyLong_FromLong(-1);
+    else if (dev == GVR_DEV_CUDA && stream != GVR_STREAM_NONE)
         stream_obj = PyLong_FromSsize_t(stream == 0 ? 1 : (Py_ssize_t)stream);
     else {
         stream_obj = Py_None;

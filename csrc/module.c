@@ -129,21 +129,24 @@ static intptr_t parse_stream(PyObject *o)
 }
 
 PyDoc_STRVAR(topk_doc,
-             "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream, method)\n--\n\n"
-             "Exact Top-K of each row of scores into out (int32). See gvr.topk_decode.");
+             "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream, method, nosync)\n--\n\n"
+             "Exact Top-K of each row of scores into out (int32). See gvr.topk_decode.\n"
+             "nosync: bit i set (i = 0 scores, 1 prev_topk, 2 lengths, 3 out) when that argument's\n"
+             "producer runs on `stream` as its current stream: its DLPack export gets stream=-1.");
 
 static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
-    static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", NULL};
+    static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", "nosync", NULL};
     PyObject *o_scores, *o_k, *o_prev = Py_None, *o_len = Py_None, *o_out = Py_None, *o_sorted = Py_False,
                                  *o_stream = Py_None;
     PyObject *o_method = NULL;
+    int nosync = 0;
     gvr_view sc = {0}, pv = {0}, ln = {0}, ot = {0};
     int32_t *len_copy = NULL;
     PyObject *result = NULL, *own_out = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOO:topk_decode", kwlist, &o_scores, &o_k, &o_prev,
-                                     &o_len, &o_out, &o_sorted, &o_stream, &o_method))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOi:topk_decode", kwlist, &o_scores, &o_k, &o_prev,
+                                     &o_len, &o_out, &o_sorted, &o_stream, &o_method, &nosync))
         return NULL;
     const char *method_s = "auto";
     if (o_method && o_method != Py_None) {
@@ -170,9 +173,16 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     intptr_t stream = parse_stream(o_stream);
     if (stream == -1 && PyErr_Occurred())
         return NULL;
+    if (stream < 0) {
+        PyErr_Format(PyExc_ValueError, "'stream' must be a CUDA stream handle (an int >= 0) or None, got %lld",
+                     (long long)stream);
+        return NULL;
+    }
+    /* the stream each argument's producer is asked to order its work before */
+#define ARG_STREAM(bit) ((nosync >> (bit)) & 1 ? GVR_STREAM_PRODUCER_CURRENT : stream)
 
     /* scores */
-    if (gvr_view_get(o_scores, "scores", 0, stream, &sc) < 0)
+    if (gvr_view_get(o_scores, "scores", 0, ARG_STREAM(0), &sc) < 0)
         goto fail;
     if (check_dtype(&sc, GVR_DTYPE_F32) < 0)
         goto fail;
@@ -203,7 +213,7 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     /* prev_topk */
     int64_t Kp = 0, prev_stride = 0;
     if (o_prev != Py_None) {
-        if (gvr_view_get(o_prev, "prev_topk", 0, stream, &pv) < 0)
+        if (gvr_view_get(o_prev, "prev_topk", 0, ARG_STREAM(1), &pv) < 0)
             goto fail;
         if (check_dtype(&pv, GVR_DTYPE_I32) < 0)
             goto fail;
@@ -233,7 +243,7 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
 
     /* lengths */
     if (o_len != Py_None) {
-        if (gvr_view_get(o_len, "lengths", 0, stream, &ln) < 0)
+        if (gvr_view_get(o_len, "lengths", 0, ARG_STREAM(2), &ln) < 0)
             goto fail;
         if (check_dtype(&ln, GVR_DTYPE_I32) < 0)
             goto fail;
@@ -260,8 +270,9 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
         if (!own_out)
             goto fail;
     }
-    if (gvr_view_get(o_out, "out", 1, stream, &ot) < 0)
+    if (gvr_view_get(o_out, "out", 1, ARG_STREAM(3), &ot) < 0)
         goto fail;
+#undef ARG_STREAM
     if (check_dtype(&ot, GVR_DTYPE_I32) < 0)
         goto fail;
     if (one_d ? (ot.ndim != 1 || ot.shape[0] != k) : (ot.ndim != 2 || ot.shape[0] != B || ot.shape[1] != k)) {

@@ -348,6 +348,25 @@ def test_unsupported_device_types():
     run_isolated("test_bad_input", "_iso_unsupported_devices")
 
 
+def _iso_cuda_stream_handshake():
+    # the DLPack stream each CUDA producer is handed: the consumer stream (the legacy default stream
+    # 0 as 1), or -1 (no synchronization) for arguments whose producer runs on that stream (the
+    # `nosync` bits gvr.topk_decode sets for torch tensors on torch's current stream). float64
+    # scores are rejected after the hand-shake, before anything runs on a device.
+    from gvr import _C
+
+    for nosync, stream, want in ((0, 123, 123), (1, 123, -1), (0, 0, 1), (2, 77, 77)):
+        fake = _cuda_fake((B, N), np.float64)
+        with pytest.raises(TypeError, match="scores"):
+            _C.topk_decode(fake, K, None, None, None, False, stream, "auto", nosync)
+        assert [c["stream"] for c in fake.calls] == [want], (nosync, stream, fake.calls)
+        fake.assert_ownership_ok()
+
+
+def test_cuda_stream_handshake():
+    run_isolated("test_bad_input", "_iso_cuda_stream_handshake")
+
+
 def test_bad_method_and_stream_named_and_nothing_written():
     x = np.random.default_rng(1).standard_normal((2, 50)).astype(np.float32)
     x0 = x.copy()
@@ -358,4 +377,7 @@ def test_bad_method_and_stream_named_and_nothing_written():
         gvr.topk_decode(x, 4, out=out, method=3)
     with pytest.raises(TypeError, match="stream"):
         gvr.topk_decode(x, 4, out=out, stream="default")
+    for bad in (-1, -2):
+        with pytest.raises(ValueError, match="stream"):
+            gvr.topk_decode(x, 4, out=out, stream=bad)
     assert np.array_equal(x, x0) and (out == -7).all()
