@@ -218,6 +218,25 @@ struct RowTile {
     }
 };
 
+/* A tile of collected (key, index) pairs (streamed kernel after its first pass): the same shape as a
+ * RowTile; each warp reads its own segment (n pairs from `first` on), key 0 past the end */
+template <int VEC>
+struct BufTile {
+    uint32_t key[VEC * 4];
+    int idx[VEC * 4];
+    __device__ __forceinline__ int index(int j, int l) const { return idx[4 * j + l]; }
+    __device__ __forceinline__ void load(const uint2 *seg, int n, int first)
+    {
+#pragma unroll
+        for (int q = 0; q < 4 * VEC; q++) {
+            const int i = first + q * 32 + (int)(threadIdx.x & 31);
+            const uint2 e = i < n ? seg[i] : make_uint2(0u, 0u);
+            key[q] = e.x;
+            idx[q] = (int)e.y;
+        }
+    }
+};
+
 /* Choose the bin holding the kk-th largest: bins are in descending positions, S_b = c(z) +
  * #{elements in bins >= b}; the chosen bin is the largest b >= 1 with S_b >= kk, or bin 0 when the
  * bins >= 1 hold fewer than kk - c(z). The winner (unique) writes s.state_i. */
@@ -725,6 +744,8 @@ constexpr int CAND_CAP = 256; /* candidates ranked by rank 0 */
 #define GVR_SAMPLE_SPREAD 1.5f
 #endif
 constexpr float PRED_SPREAD = GVR_PRED_SPREAD, SAMPLE_SPREAD = GVR_SAMPLE_SPREAD;
+/* streamed kernel: (key, index) pairs one CTA collects in shared memory during the first pass */
+constexpr int XCOLLECT_CAP = 8192;
 constexpr int MAX_C = 16;
 constexpr int MAX_VALUE_ROUNDS = 4;
 
@@ -978,6 +999,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     XMap map = shift_map(A, Z);
+    int coll_bin = XB; /* streamed: first-pass elements in bins >= coll_bin are collected (XB: none) */
+    bool use_pred = false;
     if (search) {
         /* Phase 1 (guess): mean and spread of the predicted scores and of a strided sample, in one
          * block reduction of (n, sum d, sum d^2) each, d = v - pivot (a value of the same row, so that
@@ -1018,11 +1041,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             if (mean_p >= 0.5f * (mean_s + center) && sd_p > 0.f) {
                 center = mean_p;
                 spread = PRED_SPREAD * sd_p;
+                use_pred = true;
             }
         }
         const float inv_w = (float)(XB - 2) / (2.f * spread);
-        if (spread > 0.f && value_layout_ok(center - spread, inv_w))
+        if (spread > 0.f && value_layout_ok(center - spread, inv_w)) {
             map = value_map(center - spread, inv_w);
+            /* streamed: collect from the bin of center - sd/2 (prediction: the k-th value lies
+             * within ~0.1 sd of its center) or of the center (the sample's estimate runs low) */
+            coll_bin = 1 + (int)((float)(XB - 2) * (use_pred ? (PRED_SPREAD - 0.5f) / (2.f * PRED_SPREAD) : 0.5f));
+        }
     }
     if constexpr (CLUSTER)
         asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
@@ -1031,9 +1059,22 @@ __global__ void __launch_bounds__(THREADS, 1)
     /* One pass over this CTA's share of the row, f(tile) per chunk of P elements: the register-held
      * tile, or (STREAM) the row re-read chunk by chunk, the next chunk's loads in flight while the
      * current one is processed. */
+    /* streamed: the pairs collected in the first pass (dynamic shared memory), their count in this
+     * CTA, and whether every later pass reads them instead of the row (uniform over the cluster) */
+    extern __shared__ __align__(16) uint2 xbuf[];
+    constexpr int WSEG = XCOLLECT_CAP / WARPS; /* each warp collects into its own segment */
+    uint2 *wseg = xbuf + warp * WSEG;
+    int wcount = 0; /* pairs this warp found (uniform in the warp; > WSEG: overflowed) */
+    bool from_buf = false;
     auto sweep = [&](auto &&f) {
         if constexpr (!STREAM) {
             f(tile);
+        } else if (from_buf) {
+            for (int q0 = 0; q0 < WSEG; q0 += 128 * VEC) { /* uniform trip count (f may scan) */
+                BufTile<VEC> bt;
+                bt.load(wseg, wcount, q0);
+                f(bt);
+            }
         } else {
             RowTile<1, VEC> nxt;
             if (my_nch > 0)
@@ -1056,9 +1097,37 @@ __global__ void __launch_bounds__(THREADS, 1)
         int top = 0; /* this thread's elements in the top bin (above the band: counted in a register) */
         /* bin 0 (below the band: most elements) follows from the totals; the two maps get their own
          * loops so that the hot one carries no per-element branch on the map kind */
-        if (map.value) {
+        const bool collecting = STREAM && par == 0 && value_rounds == 0 && !from_buf && map.value && coll_bin < XB;
+        if (collecting) {
+            /* first streamed pass: count, and collect the elements of bins >= coll_bin into this
+             * warp's segment at ballot offsets (deterministic, no block barrier); a warp whose
+             * segment overflows raises this CTA's flag in histogram bin 0 (unused: it follows from
+             * the totals), so the exchange tells every CTA whether any rank overflowed */
+            const float v0 = map.lay.v0, iw = map.lay.inv_w;
+            const unsigned lt = (1u << lane) - 1u;
+            sweep([&](const auto &tl) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++)
+#pragma unroll
+                    for (int l = 0; l < 4; l++) {
+                        const uint32_t key = tl.key[4 * j + l];
+                        const int b = (key >= ka && key <= kz) ? value_bin<XB>(v0, iw, key) : 0;
+                        top += b == XB - 1;
+                        if (b && b < XB - 1)
+                            Cnt::add(s.hist, b);
+                        const bool c = b >= coll_bin;
+                        const unsigned m = __ballot_sync(0xFFFFFFFFu, c);
+                        const int pos = wcount + __popc(m & lt);
+                        if (c && pos < WSEG)
+                            wseg[pos] = make_uint2(key, (uint32_t)tl.index(j, l));
+                        wcount += __popc(m);
+                    }
+            });
+            if (lane == 0 && wcount > WSEG)
+                atomicOr(&s.hist[0], 1u);
+        } else if (map.value) {
             const float v0 = map.lay.v0, iw = map.lay.inv_w; /* A, Z key-aligned: 32-bit keys only */
-            sweep([&](const RowTile<1, VEC> &tl) {
+            sweep([&](const auto &tl) {
 #pragma unroll
                 for (int i = 0; i < 4 * VEC; i++) {
                     const uint32_t key = tl.key[i];
@@ -1069,7 +1138,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
             });
         } else {
-            sweep([&](const RowTile<1, VEC> &tl) {
+            sweep([&](const auto &tl) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++)
 #pragma unroll
@@ -1142,6 +1211,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                 s.inb[warp] = bs ? Cnt::get(s.recv[par][warp], bs) : s.inb[warp] - u;
             }
         }
+        if (collecting) {
+            /* later passes read the pairs when no rank overflowed (the flags exchanged in bin 0)
+             * and the kk-th lies at or above the collection bin */
+            bool over = false;
+            for (int r = 0; r < C; r++)
+                over |= s.recv[par][r][0] != 0u;
+            from_buf = !over && bs >= coll_bin;
+        }
         PROF(24);
         /* the chosen bin's composite range, and the next round's map */
         if (map.value) {
@@ -1204,7 +1281,7 @@ __global__ void __launch_bounds__(THREADS, 1)
      * threads with none: most of them) writes them */
     auto output_pass = [&](auto aligned_c) {
         constexpr bool AL = decltype(aligned_c)::value;
-        sweep([&](const RowTile<1, VEC> &tl) {
+        sweep([&](const auto &tl) {
             int n_above = 0, n_cand = 0;
 #pragma unroll
             for (int j = 0; j < VEC; j++)
@@ -1306,12 +1383,13 @@ int sm_count()
     return cached;
 }
 
-cudaLaunchConfig_t x_config(const gvr_topk_params *p, int C, cudaStream_t stream, cudaLaunchAttribute *attr)
+cudaLaunchConfig_t x_config(const gvr_topk_params *p, int C, cudaStream_t stream, cudaLaunchAttribute *attr,
+                            size_t dyn_smem)
 {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)(C * p->B), 1, 1);
     cfg.blockDim = dim3(THREADS, 1, 1);
-    cfg.dynamicSmemBytes = 0;
+    cfg.dynamicSmemBytes = dyn_smem;
     cfg.stream = stream;
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = C;
@@ -1331,15 +1409,26 @@ int current_device()
 template <bool CLUSTER, int VEC, bool STREAM>
 struct XInstance {
     static XFn fn() { return gvr_xkernel<CLUSTER, VEC, STREAM>; }
+    /* streamed: the collection buffer (dynamic shared memory) */
+    static constexpr size_t DYN = STREAM ? (size_t)XCOLLECT_CAP * sizeof(uint2) : 0;
 
     static cudaError_t configure()
     {
-        static bool configured = false;
-        if (CLUSTER && !configured) {
-            cudaError_t e = cudaFuncSetAttribute(fn(), cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-            if (e != cudaSuccess)
-                return e;
-            configured = true;
+        static bool configured[16]; /* per device: function attributes are set per device */
+        const int dev = current_device();
+        if (dev >= 16 || !configured[dev]) {
+            if (CLUSTER) {
+                cudaError_t e = cudaFuncSetAttribute(fn(), cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+                if (e != cudaSuccess)
+                    return e;
+            }
+            if (DYN > 0) {
+                cudaError_t e = cudaFuncSetAttribute(fn(), cudaFuncAttributeMaxDynamicSharedMemorySize, (int)DYN);
+                if (e != cudaSuccess)
+                    return e;
+            }
+            if (dev < 16)
+                configured[dev] = true;
         }
         return cudaSuccess;
     }
@@ -1358,12 +1447,12 @@ struct XInstance {
                 gvr_topk_params q = {};
                 q.B = 1;
                 cudaLaunchAttribute attr[1];
-                cudaLaunchConfig_t cfg = x_config(&q, C, nullptr, attr);
+                cudaLaunchConfig_t cfg = x_config(&q, C, nullptr, attr, DYN);
                 if (cudaOccupancyMaxActiveClusters(&n, fn(), &cfg) != cudaSuccess)
                     n = 0;
             } else {
                 int per_sm = 0, dev_sms = 0;
-                if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn(), THREADS, 0) == cudaSuccess &&
+                if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn(), THREADS, DYN) == cudaSuccess &&
                     cudaDeviceGetAttribute(&dev_sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
                     n = per_sm * dev_sms;
             }
@@ -1382,7 +1471,7 @@ struct XInstance {
         if (e != cudaSuccess)
             return e;
         cudaLaunchAttribute attr[1];
-        const cudaLaunchConfig_t cfg = x_config(p, C, stream, attr);
+        const cudaLaunchConfig_t cfg = x_config(p, C, stream, attr, DYN);
         return cudaLaunchKernelEx(&cfg, fn(), p->scores, (long long)p->row_stride, p->N, p->lengths, p->prev,
                                   (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, p->out,
                                   (long long)p->out_stride, C, nch);
