@@ -725,8 +725,12 @@ __global__ void __launch_bounds__(THREADS, 1)
  *    otherwise (no or a poor prediction) the sample's estimate is the center. The first round
  *    spreads 254 bins evenly in value over center +- spread, one bin below, one above (the bin
  *    above the band is counted in registers: it can hold many elements).
- *  - Streamed rows (STREAM): per-CTA segments of nch chunks of P elements; every pass re-reads the
- *    chunks with the next chunk's loads in flight; 32-bit counts; the output pass scans per chunk.
+ *  - Streamed rows (STREAM): per-CTA segments of nch chunks of P elements, read with the next chunk's
+ *    loads in flight; 32-bit counts. The first pass also collects the (key, index) pairs of bins
+ *    >= coll_bin (a threshold below the guessed k-th value) into per-warp shared-memory segments at
+ *    ballot offsets; when no warp overflowed (flags exchanged in the unused histogram bin 0) and
+ *    the kk-th lies at or above coll_bin, later rounds and the output read the pairs, not the row
+ *    (one pass over memory); otherwise they re-read the row chunk by chunk.
  *  - Value rounds (at most 4): even value bins over a bracket, or a band 8x wider next to an open
  *    side when the k-th value fell outside the previous band.
  *  - Shift rounds: bins (ck - A) >> s on the composite key, 8 bits per round; they end the search
