@@ -237,6 +237,24 @@ def test_streamed_geometries(B, N):
                 assert_same_sets(got.cpu().numpy(), want, f"B={B} N={N} k={k} {m} prev={prev is not None}")
 
 
+def test_streamed_collection_fallbacks():
+    # The streamed kernel collects the elements above a threshold bin during its first pass and
+    # reads them instead of the row afterwards. Its two fallbacks must give the same sets:
+    # (1) a warp's segment overflows (k = 30000 of 262144 at B=64: ~17K collected per CTA);
+    # (2) the k-th value lies below the threshold (half the row tied at 5.0 under a bimodal sample
+    #     whose normal-quantile estimate lands far above it); plus the plain path for contrast.
+    B, N = 64, 262144
+    x = data.iid_scores(B, N, dist="normal", seed=11)
+    tied = x.copy()
+    tied[:, ::2] = 5.0
+    for scores, k in ((x, 30000), (tied, 2048), (x, 2048)):
+        want = cpu_result(scores, k)
+        xg = gpu(scores)
+        for prev in (None, gpu(want)):
+            got = gvr.topk_decode(xg, k, prev_topk=prev, method="gvr")
+            assert_same_sets(got.cpu().numpy(), want, f"k={k} prev={prev is not None}")
+
+
 def test_rows_beyond_the_radix_limit():
     # the GVR kernel streams rows of any length; the radix path holds at most 16 * 32768 per row
     N = 600001
