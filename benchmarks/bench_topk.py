@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import gc
 import inspect
 import json
@@ -96,6 +97,23 @@ def import_torch():
 
 def utc_now():
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def source_digest(root=ROOT):
+    """sha256 (first 12 hex digits) of the sources that decide the measured code: kernels/, csrc/ and
+    gvr/*.py. Unlike the commit (read from .git, which a copied working tree may carry stale), it
+    always describes the files that were built."""
+    h = hashlib.sha256()
+    for sub, exts in (("kernels", (".cu", ".cuh", ".h")), ("csrc", (".c", ".h")), ("gvr", (".py",))):
+        d = os.path.join(root, sub)
+        if not os.path.isdir(d):
+            continue
+        for name in sorted(os.listdir(d)):
+            if name.endswith(exts):
+                h.update(f"{sub}/{name}\0".encode())
+                with open(os.path.join(d, name), "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def git_commit(root=ROOT):
@@ -536,7 +554,7 @@ def run_cpu(args, meta):
                           f"shifts (>= {args.distinct} for B=1)")
     print(f"# gvr Top-K benchmark, CPU: {meta['device_name']} ({meta['cpu_count']} logical CPUs, "
           f"gvr default threads {meta['gvr_default_threads']})")
-    print(f"# {meta['date']}  commit {meta['commit']}  gvr {meta['gvr_version']}  numpy {np.__version__}  "
+    print(f"# {meta['date']}  commit {meta['commit']}  sources {meta['source_digest']}  gvr {meta['gvr_version']}  numpy {np.__version__}  "
           f"torch {meta['torch']}")
     print(f"# k={args.k}, steps={args.steps}, pool={pool}; {meta['batch_rows']}")
     print("# times: median us per call (time.perf_counter around each call, after warm-up); fresh (main columns): "
@@ -948,7 +966,7 @@ def run_cuda(args, meta):
                           f"before (gvr on the CPU)")
     print(f"# gvr Top-K benchmark, CUDA: {meta['device_name']} ({props.multi_processor_count} SMs), "
           f"host {meta['host_cpu']}")
-    print(f"# {meta['date']}  commit {meta['commit']}  gvr {meta['gvr_version']}  torch {torch.__version__}")
+    print(f"# {meta['date']}  commit {meta['commit']}  sources {meta['source_digest']}  gvr {meta['gvr_version']}  torch {torch.__version__}")
     print(f"# k={args.k}, steps={args.steps}; {meta['batch_rows']}")
     print(f"# warm L2: {meta['warm_timing']}")
     print(f"# cold L2: {meta['cold_timing']}")
@@ -1045,7 +1063,7 @@ def parse_args(argv=None):
 def write_markdown(path, meta, headers, rows, lines):
     dev = meta.get("device_name", "?")
     md = [f"\n## {meta['mode'].upper()}: {dev} ({meta['date']})\n",
-          f"commit `{meta.get('commit')}`, gvr {meta.get('gvr_version')}, numpy {meta.get('numpy')}, "
+          f"commit `{meta.get('commit')}` (sources sha256 `{meta.get('source_digest')}`), gvr {meta.get('gvr_version')}, numpy {meta.get('numpy')}, "
           f"torch {meta.get('torch')}, k={meta['args']['k']}, quick={meta['args']['quick']}. "
           f"{meta.get('batch_rows', '')}.",
           ""]
@@ -1066,6 +1084,7 @@ def main(argv=None):
         "mode": args.device,
         "date": utc_now(),
         "commit": git_commit(),
+        "source_digest": source_digest(),
         "gvr_version": getattr(gvr, "__version__", None),
         "gvr_file": gvr.__file__,
         "numpy": np.__version__,
