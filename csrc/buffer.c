@@ -236,7 +236,7 @@ static int from_dlpack(PyObject *obj, int writable, intptr_t stream, gvr_view *v
      * producers get None. */
     if (dev == GVR_DEV_CUDA && stream == GVR_STREAM_PRODUCER_CURRENT)
         stream_obj = PyLong_FromLong(-1);
-    else if (dev == GVR_DEV_CUDA && stream != GVR_STREAM_NONE)
+    else if (dev == GVR_DEV_CUDA)
         stream_obj = PyLong_FromSsize_t(stream == 0 ? 1 : (Py_ssize_t)stream);
     else {
         stream_obj = Py_None;

@@ -31,10 +31,9 @@ typedef struct {
     int versioned;
 } gvr_view;
 
-/* stream: the consumer stream handed to CUDA producers (GVR_STREAM_NONE: none requested, the producer
- * gets None; GVR_STREAM_PRODUCER_CURRENT: the consumer runs on the producer's current stream, so no
- * synchronization is needed and the producer gets -1, as DLPack defines). */
-#define GVR_STREAM_NONE ((intptr_t)-1)
+/* stream: the consumer stream (>= 0) handed to CUDA producers, or GVR_STREAM_PRODUCER_CURRENT: the
+ * consumer runs on the producer's current stream, so no synchronization is needed and the producer
+ * gets -1, as DLPack defines. */
 #define GVR_STREAM_PRODUCER_CURRENT ((intptr_t)-2)
 int gvr_view_get(PyObject *obj, const char *name, int writable, intptr_t stream, gvr_view *v);
 void gvr_view_release(gvr_view *v);

@@ -140,14 +140,24 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", "nosync", NULL};
     PyObject *o_scores, *o_k, *o_prev = Py_None, *o_len = Py_None, *o_out = Py_None, *o_sorted = Py_False,
                                  *o_stream = Py_None;
-    PyObject *o_method = NULL;
-    int nosync = 0;
+    PyObject *o_method = NULL, *o_nosync = NULL;
+    long nosync = 0;
     gvr_view sc = {0}, pv = {0}, ln = {0}, ot = {0};
     int32_t *len_copy = NULL;
     PyObject *result = NULL, *own_out = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOi:topk_decode", kwlist, &o_scores, &o_k, &o_prev,
-                                     &o_len, &o_out, &o_sorted, &o_stream, &o_method, &nosync))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOO:topk_decode", kwlist, &o_scores, &o_k, &o_prev,
+                                     &o_len, &o_out, &o_sorted, &o_stream, &o_method, &o_nosync))
         return NULL;
+    if (o_nosync && o_nosync != Py_None) {
+        nosync = PyLong_Check(o_nosync) && !PyBool_Check(o_nosync) ? PyLong_AsLong(o_nosync) : -1;
+        if (nosync == -1 && PyErr_Occurred())
+            PyErr_Clear();
+        if (nosync < 0 || nosync > 15) {
+            PyErr_SetString(PyExc_ValueError, "'nosync' must be an int bitmask in [0, 15] (bit i: argument i is on its "
+                                              "producer's current stream)");
+            return NULL;
+        }
+    }
     const char *method_s = "auto";
     if (o_method && o_method != Py_None) {
         if (!PyUnicode_Check(o_method)) {
