@@ -47,40 +47,45 @@ namespace {
 constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
 constexpr int RADIX_BINS = 2048;      /* widest digit */
-constexpr int MAX_PRED = 4096;        /* prediction entries read (a hint: a prefix is enough) */
-constexpr int PRED_PER_THREAD = MAX_PRED / THREADS;
-constexpr int SAMPLE = 1024;          /* strided sample without a prediction */
+/* Phase-1 statistics read PRED_STATS entries of the previous Top-K (evenly strided over the list:
+ * an unbiased subset whatever its order) and a strided sample of SAMPLE row elements. Every CTA of a
+ * cluster gathers the same ones (identical statistics, no exchange), so they are few: a cluster of
+ * 16 gathering 4096 + 1024 each measured slower (benchmarks/RESULTS.md). Build-time tuning defines. */
+#ifndef GVR_PRED_STATS
+#define GVR_PRED_STATS 256
+#endif
+#ifndef GVR_SAMPLE
+#define GVR_SAMPLE 256
+#endif
+constexpr int PRED_STATS = GVR_PRED_STATS;
+constexpr int PRED_PER_THREAD = (PRED_STATS + THREADS - 1) / THREADS;
+constexpr int SAMPLE = GVR_SAMPLE;
 /* stored keys: -inf is 0x00800000, NaN 1, positions past the row 0 */
 constexpr uint32_t KEY_POS_INF = 0xFF800001u;
 constexpr uint32_t KEY_END = 0xFF800002u;     /* above every stored key */
+constexpr uint32_t RAW_PAST_END = 0xFFFFFFFFu; /* raw bits loaded past a row's end: a NaN */
 
 thread_local char g_last_error[512] = "no error";
 
 #ifdef GVR_PROFILE
-/* Debug builds only (-DGVR_PROFILE): clock64 stamps of row 0, rank 0, thread 0 at phase ends. */
+/* Debug builds only (-DGVR_PROFILE): clock64 stamps of row 0, rank 0, thread 0 at phase ends. The
+ * stamp counter lives in shared memory (a global one costs an L2 round trip per stamp). */
 __device__ long long g_prof[64];
-__device__ int g_nprof;
+__shared__ int s_nprof;
 #define PROF_RESET()                                                                                  \
     do {                                                                                              \
-        if (blockIdx.x == 0 && threadIdx.x == 0)                                                      \
-            g_nprof = 0;                                                                              \
-    } while (0)
-#define PROF(tag)                                                                                     \
-    do {                                                                                              \
-        if (blockIdx.x == 0 && threadIdx.x == 0 && g_nprof < 62) {                                    \
-            g_prof[g_nprof] = clock64() * 100 + (tag);                                                \
-            g_nprof++;                                                                                \
-            g_prof[63] = g_nprof;                                                                     \
-        }                                                                                             \
+        if (threadIdx.x == 0)                                                                         \
+            s_nprof = 0;                                                                              \
     } while (0)
 #define PROFV(tag, v)                                                                                 \
     do {                                                                                              \
-        if (blockIdx.x == 0 && threadIdx.x == 0 && g_nprof < 62) {                                    \
-            g_prof[g_nprof] = (long long)(v) * 100 + (tag);                                           \
-            g_nprof++;                                                                                \
-            g_prof[63] = g_nprof;                                                                     \
+        if (blockIdx.x == 0 && threadIdx.x == 0 && s_nprof < 62) {                                    \
+            g_prof[s_nprof] = (long long)(v) * 100 + (tag);                                           \
+            s_nprof++;                                                                                \
+            g_prof[63] = s_nprof;                                                                     \
         }                                                                                             \
     } while (0)
+#define PROF(tag) PROFV(tag, clock64())
 #else
 #define PROFV(tag, v) ((void)0)
 #define PROF(tag) ((void)0)
@@ -103,6 +108,23 @@ __device__ __forceinline__ uint32_t stored_key(float f)
     return ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) + 1u;
 }
 
+/* a row's length: lengths[row] clamped to [0, N] (device-resident lengths are not checked on the
+ * host; GVR_CHECK=1 validates them there), or N */
+__device__ __forceinline__ int row_length(int N, const int *lengths, int row)
+{
+    if (!lengths)
+        return N;
+    const int L = lengths[row];
+    return L < 0 ? 0 : (L > N ? N : L);
+}
+
+/* -1 in a row's output slots [kk, k) (one CTA of the row) */
+__device__ __forceinline__ void pad_tail(int *orow, int kk, int k)
+{
+    for (int i = kk + (int)threadIdx.x; i < k; i += (int)blockDim.x)
+        orow[i] = -1;
+}
+
 /* value of a stored key in [2, KEY_POS_INF] */
 __device__ __forceinline__ float key_value(uint32_t sk)
 {
@@ -114,9 +136,7 @@ struct Shared {
     int hist[2][RADIX_BINS];       /* per-round histograms, double-buffered across cluster rounds */
     int rsum[RADIX_BINS];          /* radix: this CTA's slice of the cluster-summed histogram */
     int pub[2][4];                 /* per-CTA values published to the cluster */
-    float red[WARPS][4];           /* block reduction scratch */
     int state_i[4];
-    float stats[4];
     typename cub::BlockScan<int, THREADS>::TempStorage scan;
 };
 
@@ -145,11 +165,13 @@ __device__ __forceinline__ const int *remote(const int *p, int r)
         return p;
 }
 
-/* Deterministic block sum of M <= 8 floats (fixed shuffle tree, fixed warp order). */
+/* Deterministic block sum of M <= 8 floats, one barrier: warp sums (fixed shuffle tree), then every
+ * thread adds the warp sums in warp order itself (the same order everywhere: identical results).
+ * Once per kernel: s.red is not reused after it. */
 template <int M, class S>
 __device__ void block_sum(float (&v)[M], S &s)
 {
-    static_assert(M <= sizeof(s.stats) / sizeof(float), "block_sum: scratch too small");
+    static_assert(M <= 8 && sizeof(s.red[0]) == 8 * sizeof(float), "block_sum: scratch too small");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int i = 0; i < M; i++)
@@ -160,17 +182,19 @@ __device__ void block_sum(float (&v)[M], S &s)
         for (int i = 0; i < M; i++)
             s.red[warp][i] = v[i];
     __syncthreads();
-    if (threadIdx.x < M) {
-        float t = 0.f;
-        for (int w = 0; w < WARPS; w++)
-            t += s.red[w][threadIdx.x];
-        s.stats[threadIdx.x] = t;
+    float r[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        r[i] = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) {
+        const float4 a = reinterpret_cast<const float4 *>(s.red[w])[0];
+        const float4 b = reinterpret_cast<const float4 *>(s.red[w])[1];
+        r[0] += a.x, r[1] += a.y, r[2] += a.z, r[3] += a.w, r[4] += b.x, r[5] += b.y, r[6] += b.z, r[7] += b.w;
     }
-    __syncthreads();
 #pragma unroll
     for (int i = 0; i < M; i++)
-        v[i] = s.stats[i];
-    __syncthreads();
+        v[i] = r[i];
 }
 
 template <int C, int VEC>
@@ -182,7 +206,8 @@ struct RowTile {
 
     __device__ __forceinline__ int index(int j, int l) const { return base + (j * THREADS + (int)threadIdx.x) * 4 + l; }
 
-    /* Issue the row's loads (raw bits into key[]); convert() turns them into stored keys. */
+    /* Issue the row's loads (raw bits into key[], a NaN past the row's end); convert() turns them
+     * into stored keys (0 past the end). */
     __device__ __forceinline__ void load_raw(const float *row, int len, int rank) { load_raw_at(row, len, rank * P); }
 
     /* the same for the P elements from `first` on */
@@ -203,7 +228,7 @@ struct RowTile {
             } else {
 #pragma unroll
                 for (int l = 0; l < 4; l++)
-                    key[4 * j + l] = (i + l < len) ? __float_as_uint(__ldg(row + i + l)) : 0u;
+                    key[4 * j + l] = (i + l < len) ? __float_as_uint(__ldg(row + i + l)) : RAW_PAST_END;
             }
         }
     }
@@ -360,14 +385,24 @@ struct Layout {
 /* bin of a key in a value layout: 0 below v0 (and NaN, past-the-row), NBINS - 1 at or above the
  * band's top, else 1 + the bin of width 1 / inv_w */
 template <int NBINS>
+__device__ __forceinline__ int value_bin_f(float v0, float inv_w, float v)
+{
+    static_assert(NBINS <= (1 << 22), "value_bin_f: floor by rounding down needs u + 2^23 < 2^24");
+    const float u = (v - v0) * inv_w; /* NaN stays NaN: bin 0 */
+    /* 1 + floor(min(u, NBINS - 2)) for u >= 0 without a conversion instruction: 2^23 + x rounded
+     * toward -inf is 2^23 + floor(x) for x in [0, 2^22] (spacing 1 there) */
+    const int q = __float_as_int(__fadd_rd(fminf(u, (float)(NBINS - 2)), 8388608.f)) - (0x4B000000 - 1);
+    return u >= 0.f ? q : 0;
+}
+
+/* the same for a stored key: equal to value_bin_f of the key's float (key_value(stored_key(v)) is
+ * v, -0 read as +0, which gives the same bin) */
+template <int NBINS>
 __device__ __forceinline__ int value_bin(float v0, float inv_w, uint32_t key)
 {
     if (key <= 1u)
         return 0; /* NaN (and past-the-row) */
-    const float u = (key_value(key) - v0) * inv_w;
-    if (!(u >= 0.f))
-        return 0;
-    return u >= (float)(NBINS - 2) ? NBINS - 1 : (int)u + 1;
+    return value_bin_f<NBINS>(v0, inv_w, key_value(key));
 }
 
 template <int NBINS = NB>
@@ -593,16 +628,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     int rank = 0;
     if constexpr (C > 1)
         rank = (int)cg::this_cluster().block_rank();
-    int L = N;
-    if (lengths) {
-        L = lengths[row];
-        L = L < 0 ? 0 : (L > N ? N : L);
-    }
-    const int kk = k < L ? k : L;
+    const int L = row_length(N, lengths, row), kk = k < L ? k : L;
     int *orow = out + (long long)row * out_stride;
     if (rank == 0)
-        for (int i = kk + threadIdx.x; i < k; i += THREADS)
-            orow[i] = -1;
+        pad_tail(orow, kk, k);
     if (kk == 0)
         return;
     const float *xr = scores + (long long)row * row_stride;
@@ -752,6 +781,11 @@ constexpr float PRED_SPREAD = GVR_PRED_SPREAD, SAMPLE_SPREAD = GVR_SAMPLE_SPREAD
 constexpr int XCOLLECT_CAP = 8192;
 constexpr int MAX_C = 16;
 constexpr int MAX_VALUE_ROUNDS = 4;
+/* register-held rows: count the first round on the raw floats and convert to keys after it (1), or
+ * convert while the phase-1 gathers are in flight (0); a build-time tuning define */
+#ifndef GVR_RAW_FIRST
+#define GVR_RAW_FIRST 1
+#endif
 
 /* Histogram words: register-resident rows (<= 32K elements per CTA) pack two 16-bit counts per
  * word; streamed rows (any length per CTA) use 32-bit counts. */
@@ -783,9 +817,10 @@ struct XShared {
     int above[MAX_C];                         /* per rank: elements above Z */
     int inb[MAX_C];                           /* per rank: elements in [A, Z] */
     unsigned long long mb[3];                 /* mbarriers: exchange (2 parities), candidates */
-    float red[WARPS][8];
-    float stats[8];
+    __align__(16) float red[WARPS][8]; /* block_sum scratch */
     int pick[4];
+    uint32_t edge[2]; /* the chosen bin's key range [edge[0], edge[1]) in a value round */
+    int wtot[WARPS];  /* output pass: per-warp counts (above Z | candidates << 16) */
     typename cub::BlockScan<int, THREADS>::TempStorage scan;
 };
 
@@ -854,7 +889,7 @@ struct XMap {
 
 __device__ __forceinline__ bool value_layout_ok(float v0, float inv_w)
 {
-    return isfinite(v0) && isfinite(inv_w) && inv_w > 0.f && isfinite(v0 + (float)(XB - 2) / inv_w);
+    return isfinite(v0) && isfinite(inv_w) && inv_w > 0.f && isfinite(v0 + (float)(XB - 2) * __frcp_rn(inv_w));
 }
 
 __device__ __forceinline__ XMap shift_map(unsigned long long A, unsigned long long Z)
@@ -911,16 +946,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     int rank = 0;
     if constexpr (CLUSTER)
         rank = (int)cg::this_cluster().block_rank();
-    int L = N;
-    if (lengths) {
-        L = lengths[row];
-        L = L < 0 ? 0 : (L > N ? N : L);
-    }
-    const int kk = k < L ? k : L;
+    const int L = row_length(N, lengths, row), kk = k < L ? k : L;
     int *orow = out + (long long)row * out_stride;
     if (rank == 0)
-        for (int i = kk + t; i < k; i += THREADS)
-            orow[i] = -1;
+        pad_tail(orow, kk, k);
     if (kk == 0)
         return; /* uniform over the cluster */
     const float *xr = scores + (long long)row * row_stride;
@@ -946,22 +975,27 @@ __global__ void __launch_bounds__(THREADS, 1)
     /* loads: prediction indices, the row, the scores at the predicted indices */
     const bool search = kk < L && L > CAND_CAP;
     int pidx[PRED_PER_THREAD];
-    const int kp = prev ? (Kp < MAX_PRED ? Kp : MAX_PRED) : 0;
+    const int kp = prev ? Kp : 0;
+    const int np = kp < PRED_STATS ? kp : PRED_STATS; /* entries read: prev[j * kp / np], j < np */
     const int *pr = prev ? prev + (long long)row * prev_stride : nullptr;
     int p0 = -1; /* the first predicted index: its score is the statistics' pivot */
     if (search) {
 #pragma unroll
         for (int i = 0; i < PRED_PER_THREAD; i++) {
             const int j = t + i * THREADS;
-            pidx[i] = j < kp ? __ldg(pr + j) : -1;
+            pidx[i] = j < np ? __ldg(pr + (np == kp ? j : (int)(((long long)j * kp) / np))) : -1;
         }
         p0 = kp > 0 ? __ldg(pr) : -1;
     }
-    RowTile<1, VEC> tile; /* the row (STREAM false: loaded once, held in registers) */
+    /* the row (STREAM false: loaded once, held in registers); streamed: the first chunk's loads,
+     * in flight during the guess */
+    RowTile<1, VEC> tile;
     if constexpr (!STREAM)
         tile.load_raw(xr, L, rank);
+    else if (my_nch > 0)
+        tile.load_raw_at(xr, L, seg);
     /* the strided sample (always: it also judges the prediction), independent of the gathers */
-    constexpr int SPT = SAMPLE / THREADS;
+    constexpr int SPT = (SAMPLE + THREADS - 1) / THREADS;
     const int sm = L < SAMPLE ? L : SAMPLE;
     float sval[SPT];
     float pval[PRED_PER_THREAD];
@@ -977,8 +1011,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? __ldg(xr + pidx[i]) : __int_as_float(0x7FC00000);
         pivot = __ldg(xr + ((p0 >= 0 && p0 < L) ? p0 : 0));
     }
+#if !GVR_RAW_FIRST
     if constexpr (!STREAM)
-        tile.convert();
+        tile.convert(); /* while the gathers are in flight */
+#endif
     if (t < HW)
         s.hist[t] = 0;
     if (t < MAX_C) {
@@ -1030,14 +1066,16 @@ __global__ void __launch_bounds__(THREADS, 1)
                 st[5] += d * d;
             }
         block_sum(st, s);
-        const float ns = fmaxf(st[3], 1.f), mds = st[4] / ns, mean_s = pivot + mds;
-        const float sd_s = sqrtf(fmaxf(st[5] / ns - mds * mds, 0.f));
-        const float frac = fminf(fmaxf(1.15f * (float)kk / (float)L, 1e-7f), 0.999999f);
+        /* (the guess only steers the search: fast approximate division is fine here, and it is
+         * the same in every CTA) */
+        const float ins = __frcp_rn(fmaxf(st[3], 1.f)), mds = st[4] * ins, mean_s = pivot + mds;
+        const float sd_s = sqrtf(fmaxf(st[5] * ins - mds * mds, 0.f));
+        const float frac = fminf(fmaxf(__fdividef(1.15f * (float)kk, (float)L), 1e-7f), 0.999999f);
         float center = mean_s + sd_s * 1.41421356f * erfcinvf(2.f * frac); /* normal quantile of the sample */
         float spread = SAMPLE_SPREAD * sd_s;
         if (st[0] >= 16.f) {
-            const float np = st[0], mdp = st[1] / np, mean_p = pivot + mdp;
-            const float sd_p = sqrtf(fmaxf(st[2] / np - mdp * mdp, 0.f));
+            const float inp = __frcp_rn(st[0]), mdp = st[1] * inp, mean_p = pivot + mdp;
+            const float sd_p = sqrtf(fmaxf(st[2] * inp - mdp * mdp, 0.f));
             /* A useful prediction sits in the upper tail: its mean at least halfway from the sample's
              * mean to the sample's threshold estimate. Then the previous Top-K straddles the current
              * k-th value and its spread is the band; otherwise (a poor prediction, e.g. 2% overlap)
@@ -1048,7 +1086,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 use_pred = true;
             }
         }
-        const float inv_w = (float)(XB - 2) / (2.f * spread);
+        const float inv_w = (float)(XB - 2) * __frcp_rn(2.f * spread);
         if (spread > 0.f && value_layout_ok(center - spread, inv_w)) {
             map = value_map(center - spread, inv_w);
             /* streamed: collect from the bin of center - sd/2 (prediction: the k-th value lies
@@ -1070,6 +1108,32 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint2 *wseg = xbuf + warp * WSEG;
     int wcount = 0; /* pairs this warp found (uniform in the warp; > WSEG: overflowed) */
     bool from_buf = false;
+    bool chunk0_loaded = STREAM; /* streamed: `tile` holds chunk 0's loads until the first pass */
+    /* register-held row: raw floats while every round and the output can work on values (value
+     * maps, key-aligned bounds above NaN), stored keys from the first that cannot (to_keys) */
+    bool tile_raw = !STREAM && GVR_RAW_FIRST;
+    auto to_keys = [&]() {
+        if constexpr (!STREAM)
+            if (tile_raw) {
+                tile.convert();
+                tile_raw = false;
+            }
+    };
+    /* streamed, from the row: f(chunk) for each chunk, raw floats (RAW) or stored keys */
+    auto chunks = [&](auto raw_c, auto &&f) {
+        RowTile<1, VEC> nxt = tile;
+        if (!chunk0_loaded && my_nch > 0)
+            nxt.load_raw_at(xr, L, seg);
+        chunk0_loaded = false;
+        for (int c = 0; c < my_nch; c++) {
+            RowTile<1, VEC> cur = nxt;
+            if (c + 1 < my_nch)
+                nxt.load_raw_at(xr, L, seg + (c + 1) * P);
+            if constexpr (!decltype(raw_c)::value)
+                cur.convert();
+            f(cur);
+        }
+    };
     auto sweep = [&](auto &&f) {
         if constexpr (!STREAM) {
             f(tile);
@@ -1080,16 +1144,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 f(bt);
             }
         } else {
-            RowTile<1, VEC> nxt;
-            if (my_nch > 0)
-                nxt.load_raw_at(xr, L, seg);
-            for (int c = 0; c < my_nch; c++) {
-                RowTile<1, VEC> cur = nxt;
-                if (c + 1 < my_nch)
-                    nxt.load_raw_at(xr, L, seg + (c + 1) * P);
-                cur.convert();
-                f(cur);
-            }
+            chunks(std::false_type{}, f);
         }
     };
 
@@ -1107,29 +1162,48 @@ __global__ void __launch_bounds__(THREADS, 1)
              * warp's segment at ballot offsets (deterministic, no block barrier); a warp whose
              * segment overflows raises this CTA's flag in histogram bin 0 (unused: it follows from
              * the totals), so the exchange tells every CTA whether any rank overflowed */
+            /* on the raw floats: the first round's interval holds every valid element, value_bin
+             * of a stored key is value_bin_f of its float, and the NaN loaded past the row's end
+             * falls in bin 0 with the row's NaNs; only collected elements become stored keys */
             const float v0 = map.lay.v0, iw = map.lay.inv_w;
             const unsigned lt = (1u << lane) - 1u;
-            sweep([&](const auto &tl) {
+            if constexpr (STREAM)
+                chunks(std::true_type{}, [&](const RowTile<1, VEC> &tl) {
 #pragma unroll
-                for (int j = 0; j < VEC; j++)
+                    for (int j = 0; j < VEC; j++)
 #pragma unroll
-                    for (int l = 0; l < 4; l++) {
-                        const uint32_t key = tl.key[4 * j + l];
-                        const int b = (key >= ka && key <= kz) ? value_bin<XB>(v0, iw, key) : 0;
-                        top += b == XB - 1;
-                        if (b && b < XB - 1)
-                            Cnt::add(s.hist, b);
-                        const bool c = b >= coll_bin;
-                        const unsigned m = __ballot_sync(0xFFFFFFFFu, c);
-                        const int pos = wcount + __popc(m & lt);
-                        if (c && pos < WSEG)
-                            wseg[pos] = make_uint2(key, (uint32_t)tl.index(j, l));
-                        wcount += __popc(m);
-                    }
-            });
+                        for (int l = 0; l < 4; l++) {
+                            const float v = __uint_as_float(tl.key[4 * j + l]);
+                            const int b = value_bin_f<XB>(v0, iw, v);
+                            top += b == XB - 1;
+                            if (b && b < XB - 1)
+                                Cnt::add(s.hist, b);
+                            const bool c = b >= coll_bin;
+                            const unsigned m = __ballot_sync(0xFFFFFFFFu, c);
+                            const int pos = wcount + __popc(m & lt);
+                            if (c && pos < WSEG)
+                                wseg[pos] = make_uint2(stored_key(v), (uint32_t)tl.index(j, l));
+                            wcount += __popc(m);
+                        }
+                });
             if (lane == 0 && wcount > WSEG)
                 atomicOr(&s.hist[0], 1u);
+        } else if (!STREAM && tile_raw && map.value && kz >= 2u) {
+            /* the register-held row on its raw floats: [A, Z] as values (key order is value order
+             * with -0 == +0; the NaNs, and the NaN fill past the row's end, fail both compares, and
+             * they would land in the uncounted bin 0 of any value map anyway) */
+            const float v0 = map.lay.v0, iw = map.lay.inv_w;
+            const float va = ka >= 2u ? key_value(ka) : -INFINITY, vz = key_value(kz);
+#pragma unroll
+            for (int i = 0; i < 4 * VEC; i++) {
+                const float v = __uint_as_float(tile.key[i]);
+                const int b = (v >= va && v <= vz) ? value_bin_f<XB>(v0, iw, v) : 0;
+                top += b == XB - 1;
+                if (b && b < XB - 1)
+                    Cnt::add(s.hist, b);
+            }
         } else if (map.value) {
+            to_keys();
             const float v0 = map.lay.v0, iw = map.lay.inv_w; /* A, Z key-aligned: 32-bit keys only */
             sweep([&](const auto &tl) {
 #pragma unroll
@@ -1142,6 +1216,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 }
             });
         } else {
+            to_keys();
             sweep([&](const auto &tl) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++)
@@ -1184,9 +1259,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int b = XB - 1 - t;
         int cnt = 0;
         if (b >= 1) {
+            /* a fixed trip count (C is a launch parameter): the loads issue back to back */
 #pragma unroll
-            for (int r = 0; r < C; r++)
-                cnt += Cnt::get(s.recv[par][r], b);
+            for (int r = 0; r < (CLUSTER ? MAX_C : 1); r++)
+                cnt += r < C ? Cnt::get(s.recv[par][r], b) : 0;
         }
         int incl, total; /* total: elements in bins >= 1 */
         cub::BlockScan<int, THREADS>(s.scan).InclusiveSum(cnt, incl, total);
@@ -1204,11 +1280,23 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int Sb = low ? above_total + cnt_in : s.pick[1];
         const int Sb1 = low ? above_total + total : s.pick[2];
         PROF(22);
+        /* the chosen bin's key range in a value map: its two edges searched at once by warps 0 and
+         * 1 (each is a short chain of dependent probes), shared after the barrier below */
+        if (map.value && warp < 2) {
+            const uint32_t ka = (uint32_t)(A >> 32), kz1 = (uint32_t)(Z >> 32) + 1u;
+            const int eb = bs + warp; /* warp 0: the bin's first key; warp 1: the next bin's */
+            const uint32_t e = eb == 0 ? ka : eb == XB ? kz1 : value_boundary<XB>(map.lay, eb, ka, kz1);
+            if (lane == 0)
+                s.edge[warp] = e;
+        }
         /* per rank: elements in bins above the chosen one (now above Z) and in it */
         if (warp < C) {
             int u = 0;
-            for (int bb = bs + 1 + lane; bb < XB; bb += 32)
-                u += Cnt::get(s.recv[par][warp], bb);
+#pragma unroll
+            for (int i = 0; i < XB / 32; i++) {
+                const int bb = lane + 32 * i;
+                u += bb > bs ? Cnt::get(s.recv[par][warp], bb) : 0;
+            }
             u = __reduce_add_sync(0xFFFFFFFFu, u);
             if (lane == 0) {
                 s.above[warp] += u;
@@ -1223,14 +1311,11 @@ __global__ void __launch_bounds__(THREADS, 1)
                 over |= s.recv[par][r][0] != 0u;
             from_buf = !over && bs >= coll_bin;
         }
+        __syncthreads(); /* s.edge */
         PROF(24);
         /* the chosen bin's composite range, and the next round's map */
         if (map.value) {
-            const uint32_t ka = (uint32_t)(A >> 32), kz1 = (uint32_t)(Z >> 32) + 1u;
-            const uint32_t kb = bs == 0 ? ka : value_boundary<XB>(map.lay, bs, ka, kz1);
-            PROF(25);
-            const uint32_t ke = bs == XB - 1 ? kz1 : value_boundary<XB>(map.lay, bs + 1, ka, kz1);
-            PROF(26);
+            const uint32_t kb = s.edge[0], ke = s.edge[1];
             PROFV(91, bs);
             A = (unsigned long long)kb << 32;
             Z = ((unsigned long long)ke << 32) - 1ull;
@@ -1272,88 +1357,118 @@ __global__ void __launch_bounds__(THREADS, 1)
     /* key-aligned bounds (every path but shift rounds): 32-bit compares only */
     const bool aligned = (uint32_t)A == 0u && (uint32_t)Z == 0xFFFFFFFFu;
     const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
-    int pos_above = 0, pos_cand = 0; /* this CTA's first output slot and candidate slot */
-    for (int r = 0; r < rank; r++) {
-        pos_above += s.above[r];
-        pos_cand += s.inb[r];
-    }
+    /* this CTA's first output slot and candidate slot: the lower ranks' counts (lane r reads rank r) */
+    int pos_above = lane < rank ? s.above[lane] : 0, pos_cand = lane < rank ? s.inb[lane] : 0;
+    pos_above = (int)__reduce_add_sync(0xFFFFFFFFu, (unsigned)pos_above);
+    pos_cand = (int)__reduce_add_sync(0xFFFFFFFFu, (unsigned)pos_cand);
     const uint32_t cmb = smem_u32(&s.mb[2]);
     if (CLUSTER && cnt_in > 0 && rank == 0 && t == 0)
         mb_expect_bytes(cmb, (uint32_t)((cnt_in - s.inb[0]) * 8));
-    /* one loop per bound kind (key-aligned or composite), without a per-element branch on it: the
-     * first loop counts this thread's elements above Z and candidates, the second (skipped by
-     * threads with none: most of them) writes them */
-    auto output_pass = [&](auto aligned_c) {
-        constexpr bool AL = decltype(aligned_c)::value;
+    /* One loop per bound kind, without a per-element branch on it: raw floats against value bounds
+     * (KIND 0), keys against key-aligned bounds (1), composite keys (2). Per chunk, each warp's
+     * elements above Z and candidates get consecutive slots in (warp, element, lane) order: a
+     * warp sum and a scan of the warp totals give the warp's first slots, a ballot per element
+     * the lanes' (coalesced writes; deterministic). */
+    const unsigned lt = (1u << lane) - 1u;
+    auto output_pass = [&](auto kind_c) {
+        constexpr int KIND = decltype(kind_c)::value;
+        const float va = KIND == 0 ? key_value(ka) : 0.f, vz = KIND == 0 ? key_value(kz) : 0.f;
+        auto cls = [&](const auto &tl, int j, int l) {
+            if constexpr (KIND == 0) {
+                const float v = __uint_as_float(tl.key[4 * j + l]);
+                return v > vz ? 2 : v >= va ? 1 : 0;
+            } else {
+                return out_class<KIND == 1>(tl.key[4 * j + l], tl.index(j, l), ka, kz, A, Z);
+            }
+        };
         sweep([&](const auto &tl) {
             int n_above = 0, n_cand = 0;
 #pragma unroll
             for (int j = 0; j < VEC; j++)
 #pragma unroll
                 for (int l = 0; l < 4; l++) {
-                    const int c = out_class<AL>(tl.key[4 * j + l], tl.index(j, l), ka, kz, A, Z);
+                    const int c = cls(tl, j, l);
                     n_above += c == 2;
                     n_cand += c == 1;
                 }
-            /* per chunk: at most P <= 32768 above and CAND_CAP candidates, packed in one scan */
-            int off, tot;
-            cub::BlockScan<int, THREADS>(s.scan).ExclusiveSum(n_above | (n_cand << 16), off, tot);
+            /* per chunk: at most P <= 32768 above and CAND_CAP candidates, packed in one word */
+            const int wsum = (int)__reduce_add_sync(0xFFFFFFFFu, (unsigned)(n_above | (n_cand << 16)));
+            if (lane == 0)
+                s.wtot[warp] = wsum;
+            __syncthreads();
+            const int before = (int)__reduce_add_sync(0xFFFFFFFFu, lane < warp ? (unsigned)s.wtot[lane] : 0u);
+            const int tot = (int)__reduce_add_sync(0xFFFFFFFFu, lane < WARPS ? (unsigned)s.wtot[lane] : 0u);
             PROF(30);
-            int pa = pos_above + (off & 0xFFFF), pc = pos_cand + (off >> 16);
-            if (n_above | n_cand) {
+            if (wsum) { /* warp-uniform */
+                int pa = pos_above + (before & 0xFFFF), pc = pos_cand + (before >> 16);
 #pragma unroll
                 for (int j = 0; j < VEC; j++)
 #pragma unroll
                     for (int l = 0; l < 4; l++) {
-                        const uint32_t key = tl.key[4 * j + l];
-                        const int idx = tl.index(j, l);
-                        const int c = out_class<AL>(key, idx, ka, kz, A, Z);
+                        const int c = cls(tl, j, l);
+                        const unsigned ma = __ballot_sync(0xFFFFFFFFu, c == 2), mc = __ballot_sync(0xFFFFFFFFu, c == 1);
                         if (c == 2) {
-                            orow[pa++] = idx;
+                            orow[pa + __popc(ma & lt)] = tl.index(j, l);
                         } else if (c == 1) {
-                            const uint2 v = make_uint2(key, (uint32_t)idx);
-                            if (rank == 0)
-                                s.cand[pc] = v;
+                            uint32_t key;
+                            if constexpr (KIND == 0)
+                                key = stored_key(__uint_as_float(tl.key[4 * j + l]));
                             else
-                                st_async_v2(peer_u32(smem_u32(&s.cand[pc]), 0), v, peer_u32(cmb, 0));
-                            pc++;
+                                key = tl.key[4 * j + l];
+                            const uint2 v = make_uint2(key, (uint32_t)tl.index(j, l));
+                            const int q = pc + __popc(mc & lt);
+                            if (rank == 0)
+                                s.cand[q] = v;
+                            else
+                                st_async_v2(peer_u32(smem_u32(&s.cand[q]), 0), v, peer_u32(cmb, 0));
                         }
+                        pa += __popc(ma);
+                        pc += __popc(mc);
                     }
             }
             pos_above += tot & 0xFFFF;
             pos_cand += tot >> 16;
             if constexpr (STREAM)
-                __syncthreads(); /* s.scan is reused by the next chunk */
+                __syncthreads(); /* s.wtot is rewritten for the next chunk */
         });
     };
-    if (aligned)
-        output_pass(std::true_type{});
-    else
-        output_pass(std::false_type{});
+    if (!aligned) {
+        to_keys();
+        output_pass(std::integral_constant<int, 2>{});
+    } else if (!STREAM && tile_raw && ka >= 2u && kz >= 2u) {
+        if constexpr (!STREAM)
+            output_pass(std::integral_constant<int, 0>{});
+    } else {
+        to_keys();
+        output_pass(std::integral_constant<int, 1>{});
+    }
     if (rank == 0 && cnt_in > 0) {
         __syncthreads();
         if constexpr (CLUSTER)
             mb_wait(cmb, 0u);
         PROF(31);
         const int need = kk - above_total;
-        /* exact rank of each candidate (two threads each, halves of the list) */
-        const int c = t >> 1, h = t & 1;
+        /* exact rank of each candidate: a group of G lanes per candidate (G = 2..32, the most that
+         * fit the block), each comparing it with every G-th other, then a shuffle sum */
+        int lg = 1; /* log2 G */
+        while (lg < 5 && (cnt_in << (lg + 1)) <= THREADS)
+            lg++;
+        const int c = t >> lg, h = t & ((1 << lg) - 1);
         const bool act = c < cnt_in;
         int better = 0;
         uint2 me = make_uint2(0u, 0u);
         if (act) {
             me = s.cand[c];
             const unsigned long long mc = composite(me.x, (int)me.y);
-            const int half = (cnt_in + 1) >> 1, i0 = h * half, i1 = min(cnt_in, i0 + half);
-            for (int i = i0; i < i1; i++) {
+            for (int i = h; i < cnt_in; i += 1 << lg) {
                 const uint2 o = s.cand[i];
                 better += composite(o.x, (int)o.y) > mc;
             }
         }
-        better += __shfl_xor_sync(0xFFFFFFFFu, better, 1);
+        for (int o = 1; o < (1 << lg); o <<= 1)
+            better += __shfl_xor_sync(0xFFFFFFFFu, better, o);
         if (act && h == 0 && better < need)
             orow[above_total + better] = (int)me.y;
-        __syncthreads();
         PROF(32);
     }
 }
@@ -1366,10 +1481,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 constexpr int XSTREAM_VEC = GVR_XSTREAM_VEC;
 constexpr int XSTREAM_MAX_C = 8;
 constexpr int AUTO_RADIX_MAX_N = THREADS * 4 * 2; /* AUTO takes the radix path up to this N */
-#ifndef GVR_XSTREAM_CTAS_PER_SM
-#define GVR_XSTREAM_CTAS_PER_SM 1
-#endif
-constexpr int XSTREAM_CTAS_PER_SM = GVR_XSTREAM_CTAS_PER_SM; /* streamed CTAs per SM the geometry aims at */
 
 using XFn = void (*)(const float *, long long, int, const int *, const int *, long long, int, int, int *, long long,
                      int, int);
@@ -1387,6 +1498,7 @@ int sm_count()
     return cached;
 }
 
+/* launch configuration of B rows as clusters of C CTAs (both kernels) */
 cudaLaunchConfig_t x_config(const gvr_topk_params *p, int C, cudaStream_t stream, cudaLaunchAttribute *attr,
                             size_t dyn_smem)
 {
@@ -1533,7 +1645,7 @@ XGeom x_geometry(const gvr_topk_params *p, int max_vec)
     }
     constexpr long long PS = THREADS * 4 * XSTREAM_VEC;
     const long long chunks = ((long long)p->N + PS - 1) / PS;
-    int C = (int)(sm_count() * XSTREAM_CTAS_PER_SM / (p->B > 0 ? p->B : 1));
+    int C = (int)(sm_count() / (p->B > 0 ? p->B : 1)); /* one CTA per SM */
     C = C < 1 ? 1 : (C > XSTREAM_MAX_C ? XSTREAM_MAX_C : C);
     if (C > chunks)
         C = (int)chunks;
@@ -1552,12 +1664,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     using Sort = cub::BlockRadixSort<unsigned long long, THREADS, ITEMS>;
     __shared__ typename Sort::TempStorage tmp;
     const int row = blockIdx.x;
-    int L = N;
-    if (lengths) {
-        L = lengths[row];
-        L = L < 0 ? 0 : (L > N ? N : L);
-    }
-    const int kk = k < L ? k : L;
+    const int L = row_length(N, lengths, row), kk = k < L ? k : L;
     if (kk <= 1)
         return;
     const float *xr = scores + (long long)row * row_stride;
@@ -1599,18 +1706,8 @@ cudaError_t launch_one(const gvr_topk_params *p, int method, cudaStream_t stream
         }
         configured = true;
     }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(C * p->B), 1, 1);
-    cfg.blockDim = dim3(THREADS, 1, 1);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
     cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = C;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    const cudaLaunchConfig_t cfg = x_config(p, C, stream, attr, 0);
     return cudaLaunchKernelEx(&cfg, fn, p->scores, (long long)p->row_stride, p->N, p->lengths, p->prev,
                               (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, method, p->out,
                               (long long)p->out_stride);

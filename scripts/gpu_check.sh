@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for the chip present, GPU tests, compute-sanitizer, benchmark.
-# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|check|bench|full|profile|probe]
+# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|check|bench|full|profile|probe|diag]
+# GVR_CARRIED=1: install build/librel.so (built here with nvcc) instead of compiling on the device
 #   quick: tests + quick bench; check: tests + sanitizer + demo + ncu probe; bench: the full benchmark;
 #   full: check + bench (over 10 minutes on an H100 now: run check and bench as two calls)
 set -u -o pipefail
@@ -8,10 +9,12 @@ OUT=${OUT:-/tmp/gvr_out}; mkdir -p "$OUT"
 mode=${1:-full}
 export PYTHONUNBUFFERED=1 GVR_CUDA_ARCHS=${GVR_CUDA_ARCHS:-90a} GVR_REQUIRE_CUDA=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
-if [ "$mode" = "profile" ] && [ -f build/libprof.so ]; then
+if { [ "$mode" = "profile" ] && [ -f build/libprof.so ]; } || { [ -n "${GVR_CARRIED:-}" ] && [ -f build/librel.so ]; }; then
   # a -DGVR_PROFILE library built on the workstation (carried in build/): skip nvcc here
   GVR_SKIP_CUDA=1 python3 -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; echo "pip exit $?"
-  D=$(cd /tmp && python3 -c "import gvr, os; print(os.path.dirname(gvr.__file__))"); mkdir -p "$D/_lib"; cp build/libprof.so "$D/_lib/libgvr_cuda.so"
+  # GVR_CARRIED=1: a release library built on the workstation (build/librel.so, same sources)
+  lib=build/libprof.so; [ "$mode" = "profile" ] || lib=build/librel.so
+  D=$(cd /tmp && python3 -c "import gvr, os; print(os.path.dirname(gvr.__file__))"); mkdir -p "$D/_lib"; cp $lib "$D/_lib/libgvr_cuda.so"
 else
   python3 -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; echo "pip exit $?"
 fi
@@ -22,6 +25,21 @@ grep -E "gvr build: [✓✗]|rror" "$OUT/build.log" | head -20
 if [ "$mode" = "probe" ]; then
   nvcc -O2 -std=c++17 -arch=sm_${GVR_CUDA_ARCHS} -o /tmp/micro_cluster scripts/micro_cluster.cu && /tmp/micro_cluster | tee "$OUT/micro_cluster.log"
   (cd /tmp && python3 "$OLDPWD/scripts/floor_probe.py") 2>&1 | tee "$OUT/floor_probe.log"
+  exit 0
+fi
+if [ "$mode" = "diag" ]; then
+  # where the GVR kernel's cycles go: SASS of the library and Nsight Compute warp-state sampling
+  # per instruction for a streamed call (B=64, N=128K) and a cluster call (B=1, N=128K)
+  LIB=$(cd /tmp && python3 -c "import gvr; print(gvr.build_info()['cuda_library'])")
+  cuobjdump -sass "$LIB" > "$OUT/sass.txt" 2>&1; echo "sass: $(wc -l < "$OUT/sass.txt") lines"
+  for case in "131072 64" "131072 1"; do
+    tag=$(echo $case | tr ' ' _)
+    (cd /tmp && timeout 200 ncu --cache-control none --kernel-name regex:xkernel --launch-skip 2 --launch-count 1 \
+      --set full --import-source no -o "$OUT/ncu_$tag" python3 "$OLDPWD/scripts/ncu_case.py" $case) > "$OUT/ncu_$tag.log" 2>&1
+    ncu -i "$OUT/ncu_$tag.ncu-rep" --print-details all > "$OUT/ncu_${tag}_details.txt" 2>&1
+    ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${tag}_source.csv" 2>&1
+    echo "ncu $case: $(grep -m1 -E 'Duration' "$OUT/ncu_${tag}_details.txt")"
+  done
   exit 0
 fi
 if [ "$mode" != "profile" ] && [ "$mode" != "bench" ]; then

@@ -8,7 +8,7 @@ from quick_gpu_bench_lib import timeit
 
 k = 2048
 print(torch.cuda.get_device_name())
-for N in (4096, 8192, 16384, 65536, 131072, 262144):
+for N in (4096, 8192, 16384, 32768, 65536, 131072, 262144):
     for ov in (0.45, 0.02):
         tr = list(data.decode_trace(N, 2, k=k, overlap=ov, seed=1))
         x0, x1 = tr[0][:N], tr[1][:N]
