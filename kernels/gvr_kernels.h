@@ -19,8 +19,9 @@ extern "C" {
 #define GVR_ABI_VERSION 2
 
 /* Top-K method selector: AUTO picks the fastest exact path measured (today: RADIX for N <= 4096,
- * GVR above). GVR serves rows up to N = 2^30; RADIX rows are limited to N <= 524288 (an error names the
- * limit). Every method gives the same result: the choice changes speed only. */
+ * GVR above). GVR serves rows up to N = 2^30; RADIX rows are limited to N <= 524288 (524285 for rows
+ * that do not start on a 16-byte boundary; an error names the limit). Every method gives the same
+ * result: the choice changes speed only. */
 enum { GVR_TOPK_AUTO = 0, GVR_TOPK_GVR = 1, GVR_TOPK_RADIX = 2 };
 
 /* Exact decode-time Top-K of B rows of fp32 scores.

@@ -6,10 +6,12 @@
  * set; the order within a row is deterministic (and sorted when asked).
  *
  * Layout: grid = B * C CTAs of 512 threads, clusters of C CTAs (C in {1, 2, 4, 8, 16}); cluster rank r
- * owns row elements [r*P, (r+1)*P), P = 512 * 4 * VEC, and thread t holds elements
- * r*P + (j*512 + t)*4 + {0..3} for j < VEC (coalesced float4 loads) as 32-bit sortable keys in
- * registers: the row is read from memory exactly once. Stored key = canonical order key + 1
- * (NaN -> 1, -inf -> 0x00800000, +inf -> 0xFF800001), 0 for positions past the row's end.
+ * owns row positions [r*P, (r+1)*P), P = 512 * 4 * VEC, and thread t holds positions
+ * r*P + (j*512 + t)*4 + {0..3} for j < VEC (coalesced, aligned float4 loads) as 32-bit sortable keys
+ * in registers: the row is read from memory exactly once. Positions are aligned coordinates: position
+ * q holds element q - s, s = the row's start in floats past a 16-byte boundary (0..3, row_shift), so a
+ * row of any stride or offset is read with aligned float4 loads. Stored key = canonical order key + 1
+ * (NaN -> 1, -inf -> 0x00800000, +inf -> 0xFF800001), 0 for positions outside the row.
  *
  * The algorithm is a sequence of rounds on an interval [a, z) of keys known to contain the k-th
  * largest key: c(a) >= kk > c(z), c(t) = #{key >= t}. A round splits [a, z) into bins, histograms the
@@ -34,6 +36,7 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <type_traits>
@@ -197,29 +200,34 @@ __device__ void block_sum(float (&v)[M], S &s)
         v[i] = r[i];
 }
 
+/* Floats between a row's start and the 16-byte boundary below it (0..3). Tiles are laid out in
+ * these aligned coordinates, so that every float4 load is aligned whatever the row's address:
+ * position q holds element q - row_shift (positions before the row or past its end hold no element).
+ * A launch covers N + shift_extra positions per row (row_shift_extra on the host). */
+__device__ __forceinline__ int row_shift(const float *row) { return (int)((reinterpret_cast<uintptr_t>(row) >> 2) & 3u); }
+
 template <int C, int VEC>
 struct RowTile {
     static constexpr int P = THREADS * 4 * VEC;
     uint32_t key[VEC * 4];
-    int base; /* first index of this CTA's slice */
+    int base; /* element held by this CTA's first position (negative by the row's shift in slice 0) */
     int L;
 
     __device__ __forceinline__ int index(int j, int l) const { return base + (j * THREADS + (int)threadIdx.x) * 4 + l; }
 
-    /* Issue the row's loads (raw bits into key[], a NaN past the row's end); convert() turns them
-     * into stored keys (0 past the end). */
+    /* Issue the row's loads (raw bits into key[], a NaN outside the row); convert() turns them
+     * into stored keys (0 outside the row). */
     __device__ __forceinline__ void load_raw(const float *row, int len, int rank) { load_raw_at(row, len, rank * P); }
 
-    /* the same for the P elements from `first` on */
+    /* the same for the P positions from `first` on (aligned coordinates) */
     __device__ __forceinline__ void load_raw_at(const float *row, int len, int first)
     {
         L = len;
-        base = first;
-        const bool vec_ok = (reinterpret_cast<uintptr_t>(row) & 15u) == 0;
+        base = first - row_shift(row);
 #pragma unroll
         for (int j = 0; j < VEC; j++) {
-            const int i = index(j, 0);
-            if (vec_ok && i + 3 < len) {
+            const int i = index(j, 0); /* row + i is 16-byte aligned */
+            if (i >= 0 && i + 3 < len) {
                 const float4 v = __ldg(reinterpret_cast<const float4 *>(row + i));
                 key[4 * j + 0] = __float_as_uint(v.x);
                 key[4 * j + 1] = __float_as_uint(v.y);
@@ -228,7 +236,7 @@ struct RowTile {
             } else {
 #pragma unroll
                 for (int l = 0; l < 4; l++)
-                    key[4 * j + l] = (i + l < len) ? __float_as_uint(__ldg(row + i + l)) : RAW_PAST_END;
+                    key[4 * j + l] = ((unsigned)(i + l) < (unsigned)len) ? __float_as_uint(__ldg(row + i + l)) : RAW_PAST_END;
             }
         }
     }
@@ -239,7 +247,7 @@ struct RowTile {
         for (int j = 0; j < VEC; j++)
 #pragma unroll
             for (int l = 0; l < 4; l++)
-                key[4 * j + l] = index(j, l) < L ? stored_key(__uint_as_float(key[4 * j + l])) : 0u;
+                key[4 * j + l] = (unsigned)index(j, l) < (unsigned)L ? stored_key(__uint_as_float(key[4 * j + l])) : 0u;
     }
 };
 
@@ -649,7 +657,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     Interval iv{1u, KEY_END, L, 0, 0};
     int par = 0;
     uint32_t vsel = 0, veq = 0;
-    int imax = -1; /* select: key > vsel, or key == veq and index <= imax */
+    int imax = INT_MIN; /* select: key > vsel, or key == veq and index <= imax (positions outside the row
+                         * have key 0 == veq and negative indices: no index is <= INT_MIN) */
 
     if (kk == L) {
         vsel = 0;
@@ -954,10 +963,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         return; /* uniform over the cluster */
     const float *xr = scores + (long long)row * row_stride;
     constexpr int P = RowTile<1, VEC>::P;
-    const int S = nch * P; /* elements per CTA: [rank * S, rank * S + S) */
-    const int seg = rank * S;
+    const int S = nch * P; /* positions per CTA: [rank * S, rank * S + S), aligned coordinates */
+    const int seg = rank * S, shift = row_shift(xr);
     /* chunks of this CTA that hold row elements (uniform in the CTA) */
-    const int my_nch = L > seg ? min(nch, (L - seg + P - 1) / P) : 0;
+    const int my_nch = L + shift > seg ? min(nch, (L + shift - seg + P - 1) / P) : 0;
     PROF_RESET();
     PROF(0);
 
@@ -1019,8 +1028,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         s.hist[t] = 0;
     if (t < MAX_C) {
         /* per-rank valid elements: everything is "in" before the first round */
-        const long long valid = (long long)L - (long long)t * S;
-        s.inb[t] = valid < 0 ? 0 : (valid > S ? S : (int)valid);
+        const long long lo = (long long)t * S - shift, hi = lo + S; /* rank t's elements [lo, hi) */
+        const long long valid = (hi < L ? hi : L) - (lo > 0 ? lo : 0);
+        s.inb[t] = valid < 0 ? 0 : (int)valid;
         s.above[t] = 0;
     }
     __syncthreads();
@@ -1479,7 +1489,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 #define GVR_XSTREAM_VEC 4
 #endif
 constexpr int XSTREAM_VEC = GVR_XSTREAM_VEC;
-constexpr int XSTREAM_MAX_C = 8;
+#ifndef GVR_XSTREAM_MAX_C
+#define GVR_XSTREAM_MAX_C 8
+#endif
+constexpr int XSTREAM_MAX_C = GVR_XSTREAM_MAX_C;
 constexpr int AUTO_RADIX_MAX_N = THREADS * 4 * 2; /* AUTO takes the radix path up to this N */
 
 using XFn = void (*)(const float *, long long, int, const int *, const int *, long long, int, int, int *, long long,
@@ -1596,7 +1609,7 @@ struct XInstance {
 
 /* float4s per thread the register-resident GVR kernel is built for; a row of N takes
  * C = ceil(N / (2048 VEC)) CTAs */
-constexpr int XVECS[] = {2, 3, 4, 5, 6, 8, 12};
+constexpr int XVECS[] = {2, 3, 4, 5, 6, 8, 10, 12};
 
 /* Run f.template operator()<Instance>() for the instance of (cluster, vec, stream). */
 template <bool CLUSTER, class F>
@@ -1611,6 +1624,7 @@ auto x_visit_vec(int vec, bool stream, F &&f)
     case 5: return f(XInstance<CLUSTER, 5, false>{});
     case 6: return f(XInstance<CLUSTER, 6, false>{});
     case 8: return f(XInstance<CLUSTER, 8, false>{});
+    case 10: return f(XInstance<CLUSTER, 10, false>{});
     default: return f(XInstance<CLUSTER, 12, false>{});
     }
 }
@@ -1619,6 +1633,14 @@ template <class F>
 auto x_visit(int C, int vec, bool stream, F &&f)
 {
     return C > 1 ? x_visit_vec<true>(vec, stream, f) : x_visit_vec<false>(vec, stream, f);
+}
+
+/* Positions a launch covers per row (aligned coordinates, row_shift): N plus the largest shift of
+ * its rows (that of the first row when every row starts at the same offset from a 16-byte boundary). */
+long long row_positions(const gvr_topk_params *p)
+{
+    const int s0 = (int)((reinterpret_cast<uintptr_t>(p->scores) >> 2) & 3u);
+    return (long long)p->N + (p->B <= 1 || p->row_stride % 4 == 0 ? s0 : 3);
 }
 
 struct XGeom {
@@ -1636,15 +1658,16 @@ int x_resident_rows(int C, int vec, bool stream)
  * from memory in chunks by the largest cluster (at most 8) that keeps one wave, or one CTA per row. */
 XGeom x_geometry(const gvr_topk_params *p, int max_vec)
 {
+    const long long npos = row_positions(p);
     for (int v : XVECS) {
         if (v > max_vec)
             break;
-        const long long c = ((long long)p->N + THREADS * 4 * v - 1) / (THREADS * 4 * v);
+        const long long c = (npos + THREADS * 4 * v - 1) / (THREADS * 4 * v);
         if (c <= MAX_C && p->B <= x_resident_rows((int)c, v, false))
             return XGeom{(int)c, v, 1, false};
     }
     constexpr long long PS = THREADS * 4 * XSTREAM_VEC;
-    const long long chunks = ((long long)p->N + PS - 1) / PS;
+    const long long chunks = (npos + PS - 1) / PS;
     int C = (int)(sm_count() / (p->B > 0 ? p->B : 1)); /* one CTA per SM */
     C = C < 1 ? 1 : (C > XSTREAM_MAX_C ? XSTREAM_MAX_C : C);
     if (C > chunks)
@@ -1794,10 +1817,12 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
         const XGeom g = x_geometry(p, 12);
         e = x_visit(g.C, g.vec, g.stream, [&](auto inst) { return decltype(inst)::launch(p, g.C, g.nch, stream); });
     } else {
-        if (p->N > 16 * RowTile<16, 16>::P) {
+        const long long npos = row_positions(p);
+        if (npos > 16 * RowTile<16, 16>::P) {
             snprintf(g_last_error, sizeof g_last_error,
-                     "N = %d exceeds the radix path's largest row (%d); method 'gvr' or 'auto' serves any N", p->N,
-                     16 * RowTile<16, 16>::P);
+                     "N = %d exceeds the radix path's largest row (%d positions, N plus the rows' start offset "
+                     "from a 16-byte boundary in floats); method 'gvr' or 'auto' serves any N",
+                     p->N, 16 * RowTile<16, 16>::P);
             return 1;
         }
         /* Radix geometry: the smallest per-thread share (float4s held in registers) whose cluster size
@@ -1806,7 +1831,7 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
         int C = 0, vec = 0;
         for (int v = 2; v <= 16 && !C; v *= 2) {
             int c = 1;
-            while (c * THREADS * 4 * v < p->N)
+            while ((long long)c * THREADS * 4 * v < npos)
                 c *= 2;
             if (c <= 16 && (long long)p->B * c <= 2LL * sm_count()) {
                 C = c;
@@ -1816,7 +1841,7 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
         if (!C) {
             vec = 16;
             C = 1;
-            while (C * THREADS * 4 * vec < p->N)
+            while ((long long)C * THREADS * 4 * vec < npos)
                 C *= 2;
         }
         switch (C) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build for the chip present, GPU tests, compute-sanitizer, benchmark.
-# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|check|bench|full|profile|probe|diag]
+# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|check|bench|full|profile|probe|diag|qb]
 # GVR_CARRIED=1: install build/librel.so (built here with nvcc) instead of compiling on the device
 #   quick: tests + quick bench; check: tests + sanitizer + demo + ncu probe; bench: the full benchmark;
 #   full: check + bench (over 10 minutes on an H100 now: run check and bench as two calls)
@@ -27,17 +27,22 @@ if [ "$mode" = "probe" ]; then
   (cd /tmp && python3 "$OLDPWD/scripts/floor_probe.py") 2>&1 | tee "$OUT/floor_probe.log"
   exit 0
 fi
+if [ "$mode" = "qb" ]; then
+  # only the quick table (QB_NS, QB_BS, QB_EXTRA select cells: scripts/quick_gpu_bench.py)
+  (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee -a "$OUT/quick_bench.log"
+  exit 0
+fi
 if [ "$mode" = "diag" ]; then
-  # where the GVR kernel's cycles go: SASS of the library and Nsight Compute warp-state sampling
-  # per instruction for a streamed call (B=64, N=128K) and a cluster call (B=1, N=128K)
-  LIB=$(cd /tmp && python3 -c "import gvr; print(gvr.build_info()['cuda_library'])")
-  cuobjdump -sass "$LIB" > "$OUT/sass.txt" 2>&1; echo "sass: $(wc -l < "$OUT/sass.txt") lines"
-  for case in "131072 64" "131072 1"; do
+  # where the GVR kernel's cycles go: Nsight Compute warp-state sampling per source line and SASS
+  # instruction (build the carried library with -lineinfo) for the "N B" cases in DIAG_CASES
+  IFS=, read -ra cases <<< "${DIAG_CASES:-131072 64,131072 1}"
+  for case in "${cases[@]}"; do
     tag=$(echo $case | tr ' ' _)
     (cd /tmp && timeout 200 ncu --cache-control none --kernel-name regex:xkernel --launch-skip 2 --launch-count 1 \
-      --set full --import-source no -o "$OUT/ncu_$tag" python3 "$OLDPWD/scripts/ncu_case.py" $case) > "$OUT/ncu_$tag.log" 2>&1
+      --set full --warp-sampling-interval 0 --import-source yes -o "$OUT/ncu_$tag" python3 "$OLDPWD/scripts/ncu_case.py" $case) > "$OUT/ncu_$tag.log" 2>&1
     ncu -i "$OUT/ncu_$tag.ncu-rep" --print-details all > "$OUT/ncu_${tag}_details.txt" 2>&1
-    ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${tag}_source.csv" 2>&1
+    ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source cuda,sass > "$OUT/ncu_${tag}_source.csv" 2>&1
+    rm -f "$OUT/ncu_$tag.ncu-rep" "$OUT/ncu_$tag.log"
     echo "ncu $case: $(grep -m1 -E 'Duration' "$OUT/ncu_${tag}_details.txt")"
   done
   exit 0

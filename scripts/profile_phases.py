@@ -3,6 +3,7 @@ Tags: 0 start, 1 loaded, 3 guess done (cluster wait), per round 20 histogram, 21
 24 per-rank counts, 25/26 bin edges found, 23 round end, 90 candidates left and 91 chosen bin (values,
 not cycles), 30 output scan (per chunk when streamed), 31 candidates arrived, 32 ranked."""
 import ctypes
+import os
 
 import numpy as np
 import torch
@@ -12,7 +13,10 @@ from gvr import data
 
 lib = ctypes.CDLL(gvr.build_info()["cuda_library"])
 k = 2048
-for N, B in ((4096, 1), (8192, 1), (131072, 1), (131072, 64)):
+# PP_CASES="N B,N B": the cases (rows are contiguous: a length that is not a multiple of 4
+# misaligns every row but row 0)
+CASES = [tuple(int(v) for v in c.split()) for c in os.environ.get("PP_CASES", "4096 1,8192 1,131072 1,131072 64").split(",")]
+for N, B in CASES:
     for ov in (0.45, 0.02):
         tr = list(data.decode_trace(N, 2, k=k, overlap=ov, seed=1))
         prev = torch.from_numpy(gvr.topk_decode(tr[0], k)).cuda()

@@ -1,4 +1,9 @@
-"""Quick CUDA timing of topk_decode paths (CUDA graphs of 20 calls, warm L2), for kernel iteration."""
+"""Quick CUDA timing of topk_decode paths (CUDA graphs of 20 calls, warm L2), for kernel iteration.
+
+Environment: QB_NS / QB_BS (comma lists) restrict N and B; QB_EXTRA=e times rows of N + e elements
+(contiguous, so a row stride that is not a multiple of 4 floats misaligns the rows, as in the full
+benchmark's N + t rows)."""
+import os
 import sys
 import numpy as np
 import torch
@@ -8,12 +13,16 @@ from quick_gpu_bench_lib import timeit
 
 k = 2048
 print(torch.cuda.get_device_name())
-for N in (4096, 8192, 16384, 32768, 65536, 131072, 262144):
+NS = [int(v) for v in os.environ.get("QB_NS", "4096,8192,16384,32768,65536,131072,262144").split(",")]
+BS = [int(v) for v in os.environ.get("QB_BS", "1,8,64").split(",")]
+EXTRA = int(os.environ.get("QB_EXTRA", "0"))
+for N0 in NS:
+    N = N0 + EXTRA
     for ov in (0.45, 0.02):
         tr = list(data.decode_trace(N, 2, k=k, overlap=ov, seed=1))
         x0, x1 = tr[0][:N], tr[1][:N]
         prev = torch.from_numpy(gvr.topk_decode(x0, k)).cuda()
-        for B in (1, 8, 64):
+        for B in BS:
             xg = torch.from_numpy(np.tile(x1, (B, 1))).cuda()
             pb = prev.expand(B, k).contiguous()
             out = torch.empty((B, k), dtype=torch.int32, device="cuda")

@@ -87,6 +87,45 @@ def test_batches_ragged_strided(B, N):
         assert_same_sets(got.cpu().numpy(), want, f"B={B} N={N} k={k} exact prev")
 
 
+@pytest.mark.parametrize("N", (4093, 8192, 32767, 131072, 262143))
+def test_rows_at_every_offset_from_a_16_byte_boundary(N):
+    # rows are read in 16-byte aligned coordinates: each start offset (0..3 floats past a boundary),
+    # one shared by every row (B=1, or a stride that is a multiple of 4 floats) or mixed (other
+    # strides), with the largest scores at both ends of each row, where a shifted layout would drop
+    # or double them
+    rng = np.random.default_rng(N)
+    W4 = (N + 3) // 4 * 4
+    for B, W in ((1, N), (5, W4), (5, W4 + 1), (5, W4 + 2), (5, W4 + 3)):
+        flat = rng.standard_normal(B * W + 4).astype(np.float32)
+        for s in range(4):
+            f = flat.copy()
+            for b in range(B):
+                f[s + b * W : s + b * W + 3] = 50.0 + np.arange(3)
+                f[s + b * W + N - 2 : s + b * W + N] = 60.0
+            view = gpu(f).as_strided((B, N), (W, 1), s)
+            x = view.cpu().numpy()
+            for k in (7, 2048):
+                want = cpu_result(x, k)
+                what = f"N={N} B={B} stride={W} offset={s} k={k}"
+                for m in METHODS:
+                    assert_same_sets(gvr.topk_decode(view, k, method=m).cpu().numpy(), want, f"{what} {m}")
+                got = gvr.topk_decode(view, k, prev_topk=gpu(want), method="gvr")
+                assert_same_sets(got.cpu().numpy(), want, f"{what} gvr exact prev")
+
+
+def test_radix_limit_counts_the_row_offset():
+    # the radix path holds 524288 positions per row: a row of 524288 starting on a 16-byte boundary
+    # fits, one starting a float past it does not (a ValueError naming the limit), GVR serves both
+    N = 524288
+    x = data.iid_scores(1, N + 1, dist="normal", seed=5)
+    xg = gpu(x)
+    aligned, shifted = xg[:, :N], xg[:, 1:]
+    assert_same_sets(gvr.topk_decode(aligned, 2048, method="radix").cpu().numpy(), cpu_result(x[:, :N], 2048), "aligned")
+    with pytest.raises(ValueError, match="524285"):
+        gvr.topk_decode(shifted, 2048, method="radix")
+    assert_same_sets(gvr.topk_decode(shifted, 2048).cpu().numpy(), cpu_result(x[:, 1:], 2048), "shifted auto")
+
+
 @pytest.mark.parametrize("overlap", (0.45, 0.02))
 @pytest.mark.parametrize("N", (32768, 131072))
 def test_decode_trace_prev_kinds(N, overlap):
