@@ -1609,7 +1609,7 @@ struct XInstance {
 
 /* float4s per thread the register-resident GVR kernel is built for; a row of N takes
  * C = ceil(N / (2048 VEC)) CTAs */
-constexpr int XVECS[] = {2, 3, 4, 5, 6, 8, 10, 12};
+constexpr int XVECS[] = {2, 3, 4, 5, 6, 8, 9, 10, 12};
 
 /* Run f.template operator()<Instance>() for the instance of (cluster, vec, stream). */
 template <bool CLUSTER, class F>
@@ -1624,6 +1624,7 @@ auto x_visit_vec(int vec, bool stream, F &&f)
     case 5: return f(XInstance<CLUSTER, 5, false>{});
     case 6: return f(XInstance<CLUSTER, 6, false>{});
     case 8: return f(XInstance<CLUSTER, 8, false>{});
+    case 9: return f(XInstance<CLUSTER, 9, false>{});
     case 10: return f(XInstance<CLUSTER, 10, false>{});
     default: return f(XInstance<CLUSTER, 12, false>{});
     }

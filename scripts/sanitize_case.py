@@ -32,5 +32,17 @@ for x in cases:
                 got = gvr.topk_decode(xg, 64, prev_topk=prev, lengths=lengths, method=method, sorted=True).cpu().numpy()
                 exp = gvr.topk_decode(x, 64, lengths=ln, sorted=True)
                 assert (got == exp).all(), (x.shape, method, ln)
+# rows starting 1..3 floats past a 16-byte boundary (aligned-coordinate loads: the first and last
+# float4 of a row are partial), one CTA and a cluster per row, every method
+for N in (3001, 40003):
+    flat = rng.standard_normal(2 * (N + 1) + 3).astype(np.float32)
+    fg = torch.from_numpy(flat).cuda()
+    for s in (1, 2, 3):
+        view = fg.as_strided((2, N), (N + 1, 1), s)
+        x = view.cpu().numpy()
+        want = gvr.topk_decode(x, 64)
+        for method in ("auto", "gvr", "radix"):
+            got = gvr.topk_decode(view, 64, method=method).cpu().numpy()
+            assert (np.sort(got, 1) == np.sort(want, 1)).all(), (N, s, method)
 torch.cuda.synchronize()
 print("sanitize case ok")
