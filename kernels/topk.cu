@@ -128,6 +128,20 @@ __device__ __forceinline__ void pad_tail(int *orow, int kk, int k)
         orow[i] = -1;
 }
 
+/* Programmatic dependent launch (sm_90+): the kernels are launched with programmatic stream
+ * serialization, so that a launch overlaps the end of the kernel before it on the stream (in a CUDA
+ * graph of decode steps: the previous layer's or step's kernel). Every kernel first waits for the
+ * grids it depends on to complete and flush (griddepcontrol.wait: before any global access; a no-op
+ * without the launch attribute), then lets its own dependents launch; they wait in turn for this
+ * grid's completion before touching memory, so the early trigger changes scheduling only. */
+__device__ __forceinline__ void pdl_enter()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 /* value of a stored key in [2, KEY_POS_INF] */
 __device__ __forceinline__ float key_value(uint32_t sk)
 {
@@ -630,6 +644,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const int *__restrict__ prev, long long prev_stride, int Kp, int k, int method,
                     int *__restrict__ out, long long out_stride)
 {
+    pdl_enter();
     __shared__ Shared s;
     const int C_ = C;
     const int row = blockIdx.x / C_;
@@ -947,6 +962,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const int *__restrict__ prev, long long prev_stride, int Kp, int k, int *__restrict__ out,
                 long long out_stride, int C, int nch)
 {
+    pdl_enter();
     __shared__ XShared<STREAM> s;
     using Cnt = XCounts<STREAM>;
     constexpr int HW = Cnt::W;
@@ -1511,9 +1527,15 @@ int sm_count()
     return cached;
 }
 
-/* launch configuration of B rows as clusters of C CTAs (both kernels) */
+/* programmatic dependent launch (pdl_enter): a build-time switch for measuring it */
+#ifndef GVR_PDL
+#define GVR_PDL 1
+#endif
+
+/* launch configuration of B rows as clusters of C CTAs (both kernels); attr: room for 2; pdl: launch
+ * with programmatic stream serialization (not for occupancy queries) */
 cudaLaunchConfig_t x_config(const gvr_topk_params *p, int C, cudaStream_t stream, cudaLaunchAttribute *attr,
-                            size_t dyn_smem)
+                            size_t dyn_smem, bool pdl = true)
 {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)(C * p->B), 1, 1);
@@ -1526,6 +1548,11 @@ cudaLaunchConfig_t x_config(const gvr_topk_params *p, int C, cudaStream_t stream
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
+    if (GVR_PDL && pdl) {
+        attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[1].val.programmaticStreamSerializationAllowed = 1;
+        cfg.numAttrs = 2;
+    }
     return cfg;
 }
 
@@ -1575,8 +1602,8 @@ struct XInstance {
             if (CLUSTER) {
                 gvr_topk_params q = {};
                 q.B = 1;
-                cudaLaunchAttribute attr[1];
-                cudaLaunchConfig_t cfg = x_config(&q, C, nullptr, attr, DYN);
+                cudaLaunchAttribute attr[2];
+                cudaLaunchConfig_t cfg = x_config(&q, C, nullptr, attr, DYN, false);
                 if (cudaOccupancyMaxActiveClusters(&n, fn(), &cfg) != cudaSuccess)
                     n = 0;
             } else {
@@ -1599,7 +1626,7 @@ struct XInstance {
         cudaError_t e = configure();
         if (e != cudaSuccess)
             return e;
-        cudaLaunchAttribute attr[1];
+        cudaLaunchAttribute attr[2];
         const cudaLaunchConfig_t cfg = x_config(p, C, stream, attr, DYN);
         return cudaLaunchKernelEx(&cfg, fn(), p->scores, (long long)p->row_stride, p->N, p->lengths, p->prev,
                                   (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, p->out,
@@ -1685,6 +1712,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     gvr_topk_sort_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
                          int k, int *__restrict__ out, long long out_stride)
 {
+    pdl_enter();
     using Sort = cub::BlockRadixSort<unsigned long long, THREADS, ITEMS>;
     __shared__ typename Sort::TempStorage tmp;
     const int row = blockIdx.x;
@@ -1730,7 +1758,7 @@ cudaError_t launch_one(const gvr_topk_params *p, int method, cudaStream_t stream
         }
         configured = true;
     }
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
     const cudaLaunchConfig_t cfg = x_config(p, C, stream, attr, 0);
     return cudaLaunchKernelEx(&cfg, fn, p->scores, (long long)p->row_stride, p->N, p->lengths, p->prev,
                               (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, method, p->out,
