@@ -771,8 +771,9 @@ __global__ void __launch_bounds__(THREADS, 1)
  * the kk-th largest. When cnt_in <= CAND_CAP the candidates are pushed to rank 0, which ranks them
  * exactly (ties included, since composite keys are unique) and writes the `need` best; every CTA
  * writes its elements above Z at offsets known from the exchanged per-rank counts.
- *  - Guess (GVR phase 1): mean and spread of the scores at the previous step's Top-K and of a
- *    strided sample of 1024 (each CTA gathers them itself: no exchange; one block reduction). The
+ *  - Guess (GVR phase 1): mean and spread of the scores at up to 256 evenly strided entries of the
+ *    previous step's Top-K and of a strided sample of 256 (each CTA gathers them itself: no
+ *    exchange; one block reduction). The
  *    prediction is used when its mean lies at least halfway from the sample's mean to the sample's
  *    normal-quantile estimate of the k-th value (a useful previous Top-K sits in the upper tail);
  *    otherwise (no or a poor prediction) the sample's estimate is the center. The first round
@@ -784,6 +785,11 @@ __global__ void __launch_bounds__(THREADS, 1)
  *    ballot offsets; when no warp overflowed (flags exchanged in the unused histogram bin 0) and
  *    the kk-th lies at or above coll_bin, later rounds and the output read the pairs, not the row
  *    (one pass over memory); otherwise they re-read the row chunk by chunk.
+ *  - Register-held rows stay raw floats while the rounds and the output can compare values (value
+ *    maps, key-aligned bounds); they become stored keys only when a round needs keys (shift maps,
+ *    ties at the boundary).
+ *  - Output: per chunk, each warp's elements above Z and candidates take consecutive slots from a
+ *    warp sum, a scan of the warp totals and a ballot per element (coalesced and deterministic).
  *  - Value rounds (at most 4): even value bins over a bracket, or a band 8x wider next to an open
  *    side when the k-th value fell outside the previous band.
  *  - Shift rounds: bins (ck - A) >> s on the composite key, 8 bits per round; they end the search
@@ -1505,10 +1511,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #define GVR_XSTREAM_VEC 4
 #endif
 constexpr int XSTREAM_VEC = GVR_XSTREAM_VEC;
-#ifndef GVR_XSTREAM_MAX_C
-#define GVR_XSTREAM_MAX_C 8
-#endif
-constexpr int XSTREAM_MAX_C = GVR_XSTREAM_MAX_C;
+constexpr int XSTREAM_MAX_C = 8;
 constexpr int AUTO_RADIX_MAX_N = THREADS * 4 * 2; /* AUTO takes the radix path up to this N */
 
 using XFn = void (*)(const float *, long long, int, const int *, const int *, long long, int, int, int *, long long,
