@@ -392,11 +392,8 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
             PyErr_Format(PyExc_ValueError, "'sorted=True' on CUDA supports k <= 4096, got k = %zd", k);
             goto fail;
         }
-        /* the kernels read rows in 16-byte aligned coordinates: a row starting s floats past a
-         * 16-byte boundary covers N + s positions, and the radix path holds at most 524288 */
-        const int64_t shift0 = (int64_t)(((uintptr_t)sc.data >> 2) & 3u);
-        const int64_t npos = N + ((B <= 1 || row_stride % 4 == 0) ? shift0 : 3);
-        if (npos > 524288 && method == GVR_TOPK_RADIX) {
+        /* rows in 16-byte aligned coordinates: a row starting s floats past a boundary covers N + s */
+        if (method == GVR_TOPK_RADIX && gvr_topk_row_positions(&p) > GVR_RADIX_MAX_POSITIONS) {
             PyErr_Format(PyExc_ValueError,
                          "'scores' rows longer than 524288 exceed the radix path (method 'gvr' or 'auto' serves them; "
                          "rows not starting on a 16-byte boundary: 524285), got N = %lld",

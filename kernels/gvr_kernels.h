@@ -48,6 +48,17 @@ typedef struct {
     int64_t out_stride;
 } gvr_topk_params;
 
+/* The kernels read each row in 16-byte aligned coordinates: position q holds element q - s, s = the
+ * row's start in floats past a 16-byte boundary (0..3). Positions a launch covers per row: N plus the
+ * largest s of its rows (that of the first row when all rows share it). The radix path holds at most
+ * GVR_RADIX_MAX_POSITIONS. Shared by the library and the intake (which raises the ValueError). */
+#define GVR_RADIX_MAX_POSITIONS 524288
+static inline int64_t gvr_topk_row_positions(const gvr_topk_params *p)
+{
+    const int64_t s0 = (int64_t)(((uintptr_t)p->scores >> 2) & 3u);
+    return (int64_t)p->N + ((p->B <= 1 || p->row_stride % 4 == 0) ? s0 : 3);
+}
+
 int gvr_cuda_abi_version(void);
 const char *gvr_cuda_last_error(void);
 /* Make device the calling thread's current device (the device of the buffers of the next call);

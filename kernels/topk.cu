@@ -217,7 +217,7 @@ __device__ void block_sum(float (&v)[M], S &s)
 /* Floats between a row's start and the 16-byte boundary below it (0..3). Tiles are laid out in
  * these aligned coordinates, so that every float4 load is aligned whatever the row's address:
  * position q holds element q - row_shift (positions before the row or past its end hold no element).
- * A launch covers N + shift_extra positions per row (row_shift_extra on the host). */
+ * A launch covers gvr_topk_row_positions(p) positions per row (gvr_kernels.h). */
 __device__ __forceinline__ int row_shift(const float *row) { return (int)((reinterpret_cast<uintptr_t>(row) >> 2) & 3u); }
 
 template <int C, int VEC>
@@ -1666,14 +1666,6 @@ auto x_visit(int C, int vec, bool stream, F &&f)
     return C > 1 ? x_visit_vec<true>(vec, stream, f) : x_visit_vec<false>(vec, stream, f);
 }
 
-/* Positions a launch covers per row (aligned coordinates, row_shift): N plus the largest shift of
- * its rows (that of the first row when every row starts at the same offset from a 16-byte boundary). */
-long long row_positions(const gvr_topk_params *p)
-{
-    const int s0 = (int)((reinterpret_cast<uintptr_t>(p->scores) >> 2) & 3u);
-    return (long long)p->N + (p->B <= 1 || p->row_stride % 4 == 0 ? s0 : 3);
-}
-
 struct XGeom {
     int C, vec, nch;
     bool stream;
@@ -1689,7 +1681,7 @@ int x_resident_rows(int C, int vec, bool stream)
  * from memory in chunks by the largest cluster (at most 8) that keeps one wave, or one CTA per row. */
 XGeom x_geometry(const gvr_topk_params *p, int max_vec)
 {
-    const long long npos = row_positions(p);
+    const long long npos = gvr_topk_row_positions(p);
     for (int v : XVECS) {
         if (v > max_vec)
             break;
@@ -1849,12 +1841,13 @@ __attribute__((visibility("default"))) int gvr_topk_decode(const gvr_topk_params
         const XGeom g = x_geometry(p, 12);
         e = x_visit(g.C, g.vec, g.stream, [&](auto inst) { return decltype(inst)::launch(p, g.C, g.nch, stream); });
     } else {
-        const long long npos = row_positions(p);
-        if (npos > 16 * RowTile<16, 16>::P) {
+        const long long npos = gvr_topk_row_positions(p);
+        static_assert(16 * RowTile<16, 16>::P == GVR_RADIX_MAX_POSITIONS, "radix geometry vs the ABI's limit");
+        if (npos > GVR_RADIX_MAX_POSITIONS) {
             snprintf(g_last_error, sizeof g_last_error,
                      "N = %d exceeds the radix path's largest row (%d positions, N plus the rows' start offset "
                      "from a 16-byte boundary in floats); method 'gvr' or 'auto' serves any N",
-                     p->N, 16 * RowTile<16, 16>::P);
+                     p->N, GVR_RADIX_MAX_POSITIONS);
             return 1;
         }
         /* Radix geometry: the smallest per-thread share (float4s held in registers) whose cluster size

@@ -1,6 +1,6 @@
 """Phase timing of the topk kernels (debug build with -DGVR_PROFILE): clock64 stamps of row 0, CTA 0.
 Tags: 0 start, 1 loaded, 3 guess done (cluster wait), per round 20 histogram, 21 exchange, 22 pick,
-24 per-rank counts, 25/26 bin edges found, 23 round end, 90 candidates left and 91 chosen bin (values,
+24 per-rank counts and bin edges, 23 round end, 90 candidates left and 91 chosen bin (values,
 not cycles), 30 output scan (per chunk when streamed), 31 candidates arrived, 32 ranked."""
 import ctypes
 import os
