@@ -25,6 +25,18 @@ const char *gvr_device_str(gvr_device d)
     return "?";
 }
 
+const char *gvr_dtype_str(gvr_dtype d)
+{
+    static const char *names[GVR_DTYPE_COUNT] = {"?", "float32", "float16", "bfloat16", "int32", "int64", "uint8"};
+    return (unsigned)d < GVR_DTYPE_COUNT ? names[d] : "?";
+}
+
+int gvr_dtype_size(gvr_dtype d)
+{
+    static const int sizes[GVR_DTYPE_COUNT] = {0, 4, 2, 2, 4, 8, 1};
+    return (unsigned)d < GVR_DTYPE_COUNT ? sizes[d] : 0;
+}
+
 static const char *dl_device_name(int t)
 {
     switch (t) {
@@ -81,17 +93,27 @@ static int from_numpy(PyArrayObject *arr, int writable, gvr_view *v)
     v->device = GVR_DEV_CPU;
     v->device_id = 0;
     PyArray_Descr *d = PyArray_DESCR(arr);
-    int itemsize = 0;
-    if (PyArray_ISNOTSWAPPED(arr) && d->kind == 'f' && PyArray_ITEMSIZE(arr) == 4) {
-        v->dtype = GVR_DTYPE_F32;
-        itemsize = 4;
-        strcpy(v->dtype_str, "float32");
-    } else if (PyArray_ISNOTSWAPPED(arr) && d->kind == 'i' && PyArray_ITEMSIZE(arr) == 4) {
-        v->dtype = GVR_DTYPE_I32;
-        itemsize = 4;
-        strcpy(v->dtype_str, "int32");
+    v->dtype = GVR_DTYPE_OTHER;
+    if (PyArray_ISNOTSWAPPED(arr) || PyArray_ITEMSIZE(arr) == 1) {
+        const int size = (int)PyArray_ITEMSIZE(arr);
+        if (d->kind == 'f' && size == 4)
+            v->dtype = GVR_DTYPE_F32;
+        else if (d->kind == 'f' && size == 2)
+            v->dtype = GVR_DTYPE_F16;
+        else if (d->kind == 'i' && size == 4)
+            v->dtype = GVR_DTYPE_I32;
+        else if (d->kind == 'i' && size == 8)
+            v->dtype = GVR_DTYPE_I64;
+        else if (d->kind == 'u' && size == 1)
+            v->dtype = GVR_DTYPE_U8;
+        else if (d->kind == 'V' && size == 2 && d->typeobj && !strcmp(d->typeobj->tp_name, "bfloat16"))
+            v->dtype = GVR_DTYPE_BF16; /* ml_dtypes.bfloat16 */
+    }
+    const int itemsize = gvr_dtype_size(v->dtype);
+    v->itemsize = itemsize;
+    if (v->dtype != GVR_DTYPE_OTHER) {
+        strcpy(v->dtype_str, gvr_dtype_str(v->dtype));
     } else {
-        v->dtype = GVR_DTYPE_OTHER;
         PyObject *s = PyObject_Str((PyObject *)d);
         const char *c = s ? PyUnicode_AsUTF8(s) : NULL;
         snprintf(v->dtype_str, sizeof v->dtype_str, "%s", c ? c : "?");
@@ -293,16 +315,24 @@ static int from_dlpack(PyObject *obj, int writable, intptr_t stream, gvr_view *v
         return -1;
     }
     v->device_id = t->device.device_id;
-    int itemsize = 0;
-    if (t->dtype.lanes == 1 && t->dtype.bits == 32 && t->dtype.code == GVR_DL_FLOAT) {
-        v->dtype = GVR_DTYPE_F32;
-        itemsize = 4;
-    } else if (t->dtype.lanes == 1 && t->dtype.bits == 32 && t->dtype.code == GVR_DL_INT) {
-        v->dtype = GVR_DTYPE_I32;
-        itemsize = 4;
-    } else {
-        v->dtype = GVR_DTYPE_OTHER;
+    v->dtype = GVR_DTYPE_OTHER;
+    if (t->dtype.lanes == 1) {
+        const int code = t->dtype.code, bits = t->dtype.bits;
+        if (code == GVR_DL_FLOAT && bits == 32)
+            v->dtype = GVR_DTYPE_F32;
+        else if (code == GVR_DL_FLOAT && bits == 16)
+            v->dtype = GVR_DTYPE_F16;
+        else if (code == GVR_DL_BFLOAT && bits == 16)
+            v->dtype = GVR_DTYPE_BF16;
+        else if (code == GVR_DL_INT && bits == 32)
+            v->dtype = GVR_DTYPE_I32;
+        else if (code == GVR_DL_INT && bits == 64)
+            v->dtype = GVR_DTYPE_I64;
+        else if (code == GVR_DL_UINT && bits == 8)
+            v->dtype = GVR_DTYPE_U8;
     }
+    const int itemsize = gvr_dtype_size(v->dtype);
+    v->itemsize = itemsize;
     dl_dtype_str(t->dtype, v->dtype_str, sizeof v->dtype_str);
     if (t->ndim < 0) {
         PyErr_Format(PyExc_ValueError, "'%s' has a negative ndim", v->name);

@@ -1,7 +1,8 @@
 /* Buffer intake: turn a Python object (NumPy array, any __dlpack__ producer, or an object NumPy
  * wraps without copying) into a plain view: data pointer, dtype, shape, strides in elements, device.
  * A view holds what keeps its memory alive (a NumPy reference or an owned DLPack managed tensor)
- * until gvr_view_release(); callers release every view before returning to Python. */
+ * until gvr_view_release(); callers release every view before returning to Python.
+ * Views know nothing of operators: csrc/intake.c checks them against an operator's spec. */
 #ifndef GVR_BUFFER_H
 #define GVR_BUFFER_H
 
@@ -9,15 +10,30 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define GVR_VIEW_MAX_NDIM 2
+#define GVR_VIEW_MAX_NDIM 5
 
-typedef enum { GVR_DTYPE_OTHER = 0, GVR_DTYPE_F32, GVR_DTYPE_I32 } gvr_dtype;
+/* The dtypes gvr reads; uint8 is fp8 storage. GVR_DT(d) is d's bit in an accepted-dtypes mask. */
+typedef enum {
+    GVR_DTYPE_OTHER = 0,
+    GVR_DTYPE_F32,
+    GVR_DTYPE_F16,
+    GVR_DTYPE_BF16,
+    GVR_DTYPE_I32,
+    GVR_DTYPE_I64,
+    GVR_DTYPE_U8,
+    GVR_DTYPE_COUNT
+} gvr_dtype;
+#define GVR_DT(d) (1u << (d))
+
+/* Where the memory lives: plain host memory, CUDA device memory, or pinned (page-locked,
+ * device-mapped) host memory, DLPack's kDLCUDAHost: readable by the CPU and by the device. */
 typedef enum { GVR_DEV_CPU = 1, GVR_DEV_CUDA = 2, GVR_DEV_CUDA_HOST = 3 } gvr_device;
 
 typedef struct {
     const char *name;   /* argument name, for messages */
     char *data;         /* first element (byte_offset applied) */
     gvr_dtype dtype;
+    int itemsize;       /* bytes per element (0 for GVR_DTYPE_OTHER) */
     char dtype_str[24]; /* e.g. "float64", for messages */
     int ndim;           /* the real ndim, may exceed GVR_VIEW_MAX_NDIM (then shape is unset) */
     int64_t shape[GVR_VIEW_MAX_NDIM];
@@ -42,5 +58,7 @@ void gvr_view_release(gvr_view *v);
 int gvr_object_device(PyObject *obj, const char *name, gvr_device *dev, int *dev_id);
 
 const char *gvr_device_str(gvr_device d);
+const char *gvr_dtype_str(gvr_dtype d);
+int gvr_dtype_size(gvr_dtype d);
 
 #endif

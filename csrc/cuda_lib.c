@@ -1,3 +1,4 @@
+/* dlopen of libgvr_cuda.so on first use; the dlsym loop runs over GVR_CUDA_SYMBOLS. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -27,15 +28,15 @@ const char *gvr_cuda_path(void)
     return lib_path;
 }
 
-#define SYM(field, name)                                                                              \
-    do {                                                                                              \
-        *(void **)&api.field = dlsym(h, name);                                                       \
-        if (!api.field) {                                                                             \
-            snprintf(load_error, sizeof load_error, "%s lacks the symbol %s (a stale build?)",       \
-                     gvr_cuda_path(), name);                                                         \
-            goto fail;                                                                                \
-        }                                                                                             \
-    } while (0)
+/* Every entry point of GVR_CUDA_SYMBOLS: its name and where its address goes. */
+static const struct {
+    const char *symbol;
+    void **slot;
+} symbols[] = {
+#define GVR_CUDA_ENTRY(ret, field, symbol, params) {#symbol, (void **)&api.field},
+    GVR_CUDA_SYMBOLS(GVR_CUDA_ENTRY)
+#undef GVR_CUDA_ENTRY
+};
 
 const gvr_cuda_api *gvr_cuda(void)
 {
@@ -51,13 +52,14 @@ const gvr_cuda_api *gvr_cuda(void)
                      e ? e : path);
             loaded = -1;
         } else {
-            SYM(abi_version, "gvr_cuda_abi_version");
-            SYM(last_error, "gvr_cuda_last_error");
-            SYM(set_device, "gvr_cuda_set_device");
-            SYM(topk_workspace_size, "gvr_topk_decode_workspace_size");
-            SYM(topk_decode, "gvr_topk_decode");
-            SYM(synchronize, "gvr_cuda_synchronize");
-            SYM(copy_to_host, "gvr_cuda_copy_to_host");
+            for (size_t i = 0; i < sizeof symbols / sizeof symbols[0]; i++) {
+                *symbols[i].slot = dlsym(h, symbols[i].symbol);
+                if (!*symbols[i].slot) {
+                    snprintf(load_error, sizeof load_error, "%s lacks the symbol %s (a stale build?)", path,
+                             symbols[i].symbol);
+                    goto fail;
+                }
+            }
             if (api.abi_version() != GVR_ABI_VERSION) {
                 snprintf(load_error, sizeof load_error, "%s has ABI version %d, gvr._C expects %d (a stale build?)",
                          path, api.abi_version(), GVR_ABI_VERSION);

@@ -1,5 +1,6 @@
 /* Lazy loading of libgvr_cuda.so (gvr/_lib/), so that gvr._C imports and runs its CPU paths on
- * machines without CUDA. */
+ * machines without CUDA. The function table is generated from GVR_CUDA_SYMBOLS (gvr_kernels.h):
+ * an entry point added there is loaded here without further code. */
 #ifndef GVR_CUDA_LIB_H
 #define GVR_CUDA_LIB_H
 
@@ -8,13 +9,9 @@
 #include "../kernels/gvr_kernels.h"
 
 typedef struct {
-    int (*abi_version)(void);
-    const char *(*last_error)(void);
-    int (*set_device)(int device, int *previous);
-    size_t (*topk_workspace_size)(const gvr_topk_params *p);
-    int (*topk_decode)(const gvr_topk_params *p, void *ws, size_t ws_bytes, void *stream);
-    int (*synchronize)(void *stream);
-    int (*copy_to_host)(void *dst, const void *src, size_t n, void *stream);
+#define GVR_CUDA_FIELD(ret, field, symbol, params) ret(*field) params;
+    GVR_CUDA_SYMBOLS(GVR_CUDA_FIELD)
+#undef GVR_CUDA_FIELD
 } gvr_cuda_api;
 
 /* The loaded library, or NULL with a RuntimeError set that says why. Needs the GIL. */

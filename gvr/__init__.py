@@ -11,7 +11,7 @@ except ImportError as e:  # pragma: no cover - depends on how gvr is run
         "gvr's C extension is missing: this imports gvr from its unbuilt source tree. Run from another "
         "directory (to use the installed package) or build in place: python setup.py build_ext --inplace"
     ) from e
-from ._ops import topk_decode
+from .topk import topk_decode
 from .decoder import TopKDecoder
 from . import data
 
@@ -25,7 +25,7 @@ def cuda_available() -> bool:
 
 
 def build_info() -> dict:
-    """What this installation has: OpenMP, the CUDA library path and whether it loads."""
+    """What this installation has: the CPU threading ("threads"), the CUDA library path and whether it loads."""
     info = dict(_C.build_info())
     info["cuda_error"] = _C.cuda_error()
     info["cuda"] = info["cuda_error"] is None
@@ -33,7 +33,7 @@ def build_info() -> dict:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads for CPU rows when B > 1 (0: OpenMP's default)."""
+    """Threads for CPU rows when B > 1 (0: the default)."""
     _C.set_num_threads(n)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ import numpy as np
 
 import gvr
 import gvr.data
+from gvr import _harness as H
 
 
 def reference_topk(x: np.ndarray, k: int) -> np.ndarray:
@@ -40,15 +40,18 @@ def is_exact(got, x: np.ndarray, k: int) -> bool:
     return bool(np.array_equal(np.sort(got[:m].astype(np.int64)), np.sort(reference_topk(x, k))))
 
 
-def cpu_name() -> str:
+def median_us_cpu(fn, reps: int) -> float:
+    return H.time_cpu(fn, budget_s=0, min_runs=reps, max_runs=reps, warmup=1)["median_us"]
+
+
+def median_us_cuda(torch, fn, reps: int) -> float:
+    """GPU µs per call: a CUDA graph of `reps` back-to-back calls, replayed 5 times (decode loops run
+    in graphs; an eager call adds tens of µs of host time that this would otherwise measure); CUDA
+    events around eager calls when capture fails."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+        return H.cuda_graph_us(torch, fn, calls=reps, replays=5)
+    except H.GraphCaptureError:
+        return H.CudaTimer(torch, flush_bytes=0).events(fn, reps)["median_us"]
 
 
 def torch_cuda():
@@ -63,61 +66,13 @@ def torch_cuda():
         return None
 
 
-def median_us_cpu(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
-
-
-def median_us_cuda(torch, fn, reps: int) -> float:
-    """GPU µs per call: a CUDA graph of `reps` back-to-back calls, replayed 5 times (decode loops run
-    in graphs; an eager call adds tens of µs of host time that this would otherwise measure); CUDA
-    events around eager calls when capture fails."""
-    for _ in range(3):  # warm-up (the CUDA library loads on the first call)
-        fn()
-    torch.cuda.synchronize()
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            with torch.cuda.graph(graph, stream=side):
-                for _ in range(reps):
-                    fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph.replay()
-        times = []
-        for _ in range(5):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) * 1e3 / reps)
-        return statistics.median(times)
-    except RuntimeError:
-        torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m gvr",
         description="Decode-loop demo of gvr.topk_decode: exactness check and timing on a synthetic trace.",
     )
     p.add_argument("--n", type=int, default=65536, help="context length at the first step (default 65536)")
-    p.add_argument("--k", type=int, default=2048, help="top-k (default 2048)")
+    p.add_argument("--k", type=int, default=2048, help="top-k (default 2048; 0 gives empty results)")
     p.add_argument("--steps", type=int, default=8, help="decode steps (default 8)")
     p.add_argument("--overlap", type=float, default=0.45,
                    help="target step-to-step Top-k overlap of the trace (default 0.45)")
@@ -128,8 +83,8 @@ def parse_args(argv):
     a = p.parse_args(argv)
     if a.n < 1:
         p.error("--n must be >= 1")
-    if a.k < 1:
-        p.error("--k must be >= 1")
+    if a.k < 0:
+        p.error("--k must be >= 0")
     if a.steps < 1:
         p.error("--steps must be >= 1")
     if a.threads < 1:
@@ -165,7 +120,7 @@ def main(argv=None) -> int:
         print(f"device: cuda ({torch.cuda.get_device_name()}), torch {torch.__version__}")
     else:
         threads = f"{a.threads} thread{'s' if a.threads != 1 else ''} for gvr"
-        print(f"device: cpu ({cpu_name()}, {os.cpu_count()} cores, {threads})")
+        print(f"device: cpu ({H.cpu_name()}, {os.cpu_count()} cores, {threads})")
         if torch is not None:
             print(f"  (CUDA not used: {why})")
     if info["cuda"]:
@@ -174,10 +129,22 @@ def main(argv=None) -> int:
         print(f"CUDA library: not available: {info['cuda_error']}")
 
     t0 = time.perf_counter()
-    rows = list(gvr.data.decode_trace(n=a.n, steps=a.steps, k=a.k, overlap=a.overlap, seed=a.seed))
+    trace_k = a.k if a.k > 0 else min(2048, a.n)  # the trace's overlap is defined for a k > 0
+    rows = list(gvr.data.decode_trace(n=a.n, steps=a.steps, k=trace_k, overlap=a.overlap, seed=a.seed))
     dt = time.perf_counter() - t0
-    print(f"trace: gvr.data.decode_trace(n={a.n}, steps={a.steps}, k={a.k}, overlap={a.overlap}, "
+    print(f"trace: gvr.data.decode_trace(n={a.n}, steps={a.steps}, k={trace_k}, overlap={a.overlap}, "
           f"seed={a.seed}) in {dt:.1f} s")
+    if a.steps > 1:
+        reached = float(np.mean(gvr.data.trace_overlaps(rows, trace_k)))
+        chance = min(1.0, trace_k / a.n)
+        if abs(reached - a.overlap) > 0.05:
+            if a.overlap < reached and a.overlap < chance:
+                why = f"below chance level (~k/N = {chance:.3f}): independent steps already share that much"
+            else:
+                why = f"{'below' if a.overlap < reached else 'above'} what the trace generator reaches at this size"
+            print(f"  note: requested overlap {a.overlap:.2f} cannot be reached: {why}; measured {reached:.2f}")
+        else:
+            print(f"  overlap: requested {a.overlap:.2f}, measured {reached:.2f}")
     if dt > 5 * (a.n * (a.steps + 16)) / (65536 * 24) + 2 and "OPENBLAS_NUM_THREADS" not in os.environ:
         # gvr.data's many small NumPy matmuls suffer when BLAS threads compete for busy cores
         print("  (slow: on a busy machine, OPENBLAS_NUM_THREADS=1 python -m gvr generates it faster)")
@@ -206,7 +173,7 @@ def main(argv=None) -> int:
             cur = gvr.topk_decode(x, k, prev_topk=prev)
             t_gvr = median_us_cpu(lambda: gvr.topk_decode(x, k, prev_topk=prev), reps)
             t_nopred = median_us_cpu(lambda: gvr.topk_decode(x, k), reps)
-            t_base = median_us_cpu(lambda: np.argpartition(-x, k)[:k] if k < x.size else np.arange(x.size), reps)
+            t_base = median_us_cpu(lambda: np.argpartition(-x, k)[:k] if 0 < k < x.size else np.arange(min(k, x.size)), reps)
             cur_host = cur
         else:
             xd = torch.from_numpy(x).cuda()
@@ -219,8 +186,8 @@ def main(argv=None) -> int:
             cur_host = cur.cpu().numpy()
         exact = is_exact(cur_host, x, k)
         all_exact &= exact
-        ovl = "-" if prev is None else f"{gvr.data.topk_overlap(prev_host, cur_host):.2f}"
-        sp = t_base / t_gvr
+        ovl = "-" if prev is None or k == 0 else f"{gvr.data.topk_overlap(prev_host, cur_host):.2f}"
+        sp = t_base / t_gvr if t_gvr > 0 else float("nan")
         if prev is not None or a.steps == 1:
             speedups.append(sp)
         if device == "cpu":

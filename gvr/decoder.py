@@ -1,7 +1,7 @@
 """TopKDecoder: per-layer decode-loop state for gvr.topk_decode."""
 from __future__ import annotations
 
-from ._ops import topk_decode
+from .topk import topk_decode
 
 __all__ = ["TopKDecoder"]
 

@@ -1,91 +1,82 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build for the chip present, GPU tests, compute-sanitizer, benchmark.
-# Logs and JSON go to $OUT. Usage: bash scripts/gpu_check.sh [quick|check|bench|full|profile|probe|diag|qb]
-# GVR_CARRIED=1: install build/librel.so (built here with nvcc) instead of compiling on the device
-#   quick: tests + quick bench; check: tests + sanitizer + demo + ncu probe; bench: the full benchmark;
-#   full: check + bench (over 10 minutes on an H100 now: run check and bench as two calls)
+# The GPU machine's one script: build gvr for the chip present, check it, time it. Logs and JSON go to
+# $OUT (default /tmp/gvr_out). Usage: bash scripts/gpu_check.sh MODE [MODE ...], run from the repo root.
+#   check    GPU tests (pytest -m gpu: kernels against the C path, opcheck and torch.compile on CUDA),
+#            compute-sanitizer memcheck + racecheck on small cases of every kernel path, the demo
+#   compare  before/after quick table: this build, then an older one carried in .old/ (its source tree in
+#            .old/src, its libgvr_cuda.so built for the chip at .old/libgvr_cuda_old.so), then this one
+#            again (run-to-run spread); JSON per run under $OUT
+#   bench    the full benchmark (benchmarks/bench_topk.py --device cuda) -> $OUT/bench_cuda.json, .md
+# The build runs once per machine and source state (a stamp in /tmp); GVR_CUDA_ARCHS defaults to 90a.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gvr_out}; mkdir -p "$OUT"
-mode=${1:-full}
+ROOT=$(pwd -P)
 export PYTHONUNBUFFERED=1 GVR_CUDA_ARCHS=${GVR_CUDA_ARCHS:-90a} GVR_REQUIRE_CUDA=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
-if { [ "$mode" = "profile" ] && [ -f build/libprof.so ]; } || { [ -n "${GVR_CARRIED:-}" ] && [ -f build/librel.so ]; }; then
-  # a -DGVR_PROFILE library built on the workstation (carried in build/): skip nvcc here
-  GVR_SKIP_CUDA=1 python3 -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; echo "pip exit $?"
-  # GVR_CARRIED=1: a release library built on the workstation (build/librel.so, same sources)
-  lib=build/libprof.so; [ "$mode" = "profile" ] || lib=build/librel.so
-  D=$(cd /tmp && python3 -c "import gvr, os; print(os.path.dirname(gvr.__file__))"); mkdir -p "$D/_lib"; cp $lib "$D/_lib/libgvr_cuda.so"
-else
-  python3 -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; echo "pip exit $?"
-fi
-grep -E "gvr build: [✓✗]|rror" "$OUT/build.log" | head -20
-(cd /tmp && python3 -c "import gvr; print(gvr.__file__, gvr.build_info())") | tee -a "$OUT/build.log" || exit 1
-(cd /tmp && timeout 60 python3 "$OLDPWD/scripts/smoke_gpu.py") 2>&1 | tee "$OUT/smoke.log" | tail -8
-[ "${PIPESTATUS[0]}" = "0" ] || [ "$mode" = "profile" ] || { echo "smoke test failed"; exit 1; }
-if [ "$mode" = "probe" ]; then
-  nvcc -O2 -std=c++17 -arch=sm_${GVR_CUDA_ARCHS} -o /tmp/micro_cluster scripts/micro_cluster.cu && /tmp/micro_cluster | tee "$OUT/micro_cluster.log"
-  (cd /tmp && python3 "$OLDPWD/scripts/floor_probe.py") 2>&1 | tee "$OUT/floor_probe.log"
-  exit 0
-fi
-if [ "$mode" = "qb" ]; then
-  # only the quick table (QB_NS, QB_BS, QB_EXTRA select cells: scripts/quick_gpu_bench.py)
-  (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee -a "$OUT/quick_bench.log"
-  exit 0
-fi
-if [ "$mode" = "diag" ]; then
-  # where the GVR kernel's cycles go: Nsight Compute warp-state sampling per source line and SASS
-  # instruction (build the carried library with -lineinfo) for the "N B" cases in DIAG_CASES
-  IFS=, read -ra cases <<< "${DIAG_CASES:-131072 64,131072 1}"
-  for case in "${cases[@]}"; do
-    tag=$(echo $case | tr ' ' _)
-    (cd /tmp && timeout 200 ncu --cache-control none --kernel-name regex:xkernel --launch-skip 2 --launch-count 1 \
-      --set full --warp-sampling-interval 0 --import-source yes -o "$OUT/ncu_$tag" python3 "$OLDPWD/scripts/ncu_case.py" $case) > "$OUT/ncu_$tag.log" 2>&1
-    ncu -i "$OUT/ncu_$tag.ncu-rep" --print-details all > "$OUT/ncu_${tag}_details.txt" 2>&1
-    ncu -i "$OUT/ncu_$tag.ncu-rep" --page source --csv --print-source cuda,sass > "$OUT/ncu_${tag}_source.csv" 2>&1
-    rm -f "$OUT/ncu_$tag.ncu-rep" "$OUT/ncu_$tag.log"
-    echo "ncu $case: $(grep -m1 -E 'Duration' "$OUT/ncu_${tag}_details.txt")"
-  done
-  exit 0
-fi
-if [ "$mode" != "profile" ] && [ "$mode" != "bench" ]; then
-cd tests
-timeout 400 python3 -m pytest -x -q -p no:cacheprovider test_topk_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
-cd ..
-if [ "$mode" = "full" ] || [ "$mode" = "check" ]; then
+PY=python3
+t0=$SECONDS
+say() { printf '\n=== %s (%ds)\n' "$*" $((SECONDS - t0)); }
+
+build() {
+  local digest
+  digest=$(cat setup.py csrc/*.[ch] csrc/*/*.[ch] $(find kernels -name '*.cu' -o -name '*.cuh' -o -name '*.h' | sort) gvr/*.py 2>/dev/null | sha256sum | cut -c1-16)
+  if [ "$(cat /tmp/gvr_built 2>/dev/null)" = "$digest" ]; then echo "build: up to date ($digest)"; return 0; fi
+  say "build (GVR_CUDA_ARCHS=$GVR_CUDA_ARCHS)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+  local tb=$SECONDS
+  $PY -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; local rc=$?
+  grep -E "gvr build" "$OUT/build.log" | sed 's/^ *//' | tail -20
+  echo "pip install: exit $rc in $((SECONDS - tb)) s"
+  [ $rc = 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
+  (cd /tmp && $PY -c "import gvr; print(gvr.__file__, gvr.build_info())") || exit 1
+  (cd /tmp && timeout 120 $PY "$ROOT/scripts/smoke_gpu.py") 2>&1 | tee "$OUT/smoke.log" | tail -4
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "smoke test failed"; exit 1; }
+  echo "$digest" > /tmp/gvr_built
+}
+
+check() {
+  say "GPU tests"
+  # from tests/ (not the root, whose ./gvr is the unbuilt source tree): the installed gvr
+  (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu -rs .) 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  say "compute-sanitizer"
   for tool in memcheck racecheck; do
-    (cd /tmp && timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 "$OLDPWD/scripts/sanitize_case.py") > "$OUT/sanitizer_$tool.log" 2>&1
+    (cd /tmp && timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py") > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
   done
-fi
-if [ "$mode" = "full" ] || [ "$mode" = "check" ]; then
-  (cd /tmp && timeout 120 python3 -m gvr) 2>&1 | tee "$OUT/demo.log" | tail -6
-  # warm-L2 memory counters of one streamed call (B=64, N=128K): where the streamed passes stand
-  (cd /tmp && timeout 120 ncu --cache-control none --kernel-name regex:xkernel --launch-skip 2 --launch-count 1 \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum \
-    python3 "$OLDPWD/scripts/ncu_case.py" 131072 64) > "$OUT/ncu_b64.log" 2>&1; grep -E "duration|dram__|lts__" "$OUT/ncu_b64.log"
-fi
-fi
-if [ "$mode" = "full" ] || [ "$mode" = "bench" ]; then
-  (cd /tmp && timeout 280 python3 "$OLDPWD/benchmarks/bench_topk.py" --device cuda --out "$OUT/bench_cuda.json" --append-results "$OUT/RESULTS_cuda.md" --pool 2 --reps 40 --cold-reps 30) > "$OUT/bench_cuda.log" 2>&1; echo "bench exit $?"; tail -75 "$OUT/bench_cuda.log"
-elif [ "$mode" = "quick" ]; then
-  (cd /tmp && timeout 300 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee "$OUT/quick_bench.log"
-  # quick mode: variants built on the workstation (build/libcmp*.so, e.g. other tuning defines) timed the same way
-  D=$(cd /tmp && python3 -c "import gvr, os; print(os.path.dirname(gvr.__file__))")
-  for lib in build/libcmp*.so; do
-    [ -f "$lib" ] || continue
-    echo "== $lib" | tee -a "$OUT/quick_bench.log"; cp "$lib" "$D/_lib/libgvr_cuda.so"
-    (cd /tmp && timeout 200 python3 "$OLDPWD/scripts/quick_gpu_bench.py") 2>&1 | tee -a "$OUT/quick_bench.log"
-  done
-fi
-if [ "$mode" = "profile" ] && [ -f build/libprof.so ]; then
-  for lib in build/libprof*.so; do
-    echo "== $lib"; cp "$lib" "$D/_lib/libgvr_cuda.so"
-    (cd /tmp && python3 "$OLDPWD/scripts/profile_phases.py" 2>&1 | tee -a "$OUT/profile.log")
-  done
-elif [ "$mode" = "profile" ]; then
-  LIB=$(cd /tmp && python3 -c "import gvr; print(gvr.build_info()['cuda_library'])")
-  cp "$LIB" /tmp/libgvr_cuda.release.so
-  nvcc -O3 -std=c++17 -DGVR_PROFILE -gencode=arch=compute_${GVR_CUDA_ARCHS},code=sm_${GVR_CUDA_ARCHS} -Xcompiler -fPIC -shared --cudart=static -o "$LIB" kernels/topk.cu \
-    && (cd /tmp && python3 "$OLDPWD/scripts/profile_phases.py" 2>&1 | tee "$OUT/profile.log")
-  cp /tmp/libgvr_cuda.release.so "$LIB"
-fi
+  say "demo"
+  (cd /tmp && timeout 120 $PY -m gvr) 2>&1 | tee "$OUT/demo.log" | tail -6
+}
+
+quick() {  # $1: label; PYTHONPATH selects the build
+  (cd /tmp && timeout 200 $PY "$ROOT/scripts/quick_gpu_bench.py" --json "$OUT/qb_$1.json") 2>&1 | tee "$OUT/qb_$1.log" | tail -45
+}
+
+compare() {
+  [ -f .old/libgvr_cuda_old.so ] && [ -d .old/src ] || { echo "compare: .old/ missing"; return 1; }
+  if [ ! -f /tmp/oldsite/gvr/_lib/libgvr_cuda.so ]; then
+    say "old build (C extension only; its CUDA library was built on the workstation)"
+    (cd .old/src && GVR_SKIP_CUDA=1 $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/oldsite . > "$OUT/build_old.log" 2>&1) || { tail "$OUT/build_old.log"; return 1; }
+    mkdir -p /tmp/oldsite/gvr/_lib && cp .old/libgvr_cuda_old.so /tmp/oldsite/gvr/_lib/libgvr_cuda.so
+  fi
+  say "quick table: new";   quick new
+  say "quick table: old";   PYTHONPATH=/tmp/oldsite quick old
+  say "quick table: new again"; quick new2
+}
+
+bench() {
+  say "full benchmark"
+  (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_topk.py" --device cuda --out "$OUT/bench_cuda.json" \
+    --append-results "$OUT/RESULTS_cuda.md" --pool 2 --reps 40 --cold-reps 30) > "$OUT/bench_cuda.log" 2>&1
+  echo "bench exit $?"; tail -40 "$OUT/bench_cuda.log"
+}
+
+build
+for mode in "${@:-check}"; do
+  case $mode in
+    check) check ;;
+    compare) compare ;;
+    bench) bench ;;
+    build) ;;
+    *) echo "unknown mode $mode"; exit 2 ;;
+  esac
+done
+say "done"

@@ -1,33 +1,115 @@
-"""Quick CUDA timing of topk_decode paths (CUDA graphs of 20 calls, warm L2), for kernel iteration.
+#!/usr/bin/env python3
+"""Quick CUDA timing table of gvr.topk_decode (CUDA graphs of --calls back-to-back calls, warm L2):
+gvr+prev / gvr / radix (/ torch.topk) per (N, overlap, B), for kernel iteration and before/after tables.
 
-Environment: QB_NS / QB_BS (comma lists) restrict N and B; QB_EXTRA=e times rows of N + e elements
-(contiguous, so a row stride that is not a multiple of 4 floats misaligns the rows, as in the full
-benchmark's N + t rows)."""
+    python scripts/quick_gpu_bench.py [--n 4096 65536 ...] [--batch 1 8 64] [--extra 0] [--torch] [--json PATH]
+    python scripts/quick_gpu_bench.py --compare OLD.json NEW.json [NEWER.json ...]    (no GPU needed)
+
+Runs against any installed gvr with the Python API gvr.topk_decode(x, k, prev_topk=, out=, method=)
+(older builds included: the timing harness is loaded by file path from this checkout, not from gvr).
+Rows are decode-trace steps (gvr.data.decode_trace, seed 1) tiled over B; --extra e times rows of
+N + e elements (contiguous, so a row stride that is not a multiple of 4 floats misaligns the rows).
+"""
+import argparse
+import json
 import os
 import sys
-import numpy as np
-import torch
-import gvr
-from gvr import data
-from quick_gpu_bench_lib import timeit
 
-k = 2048
-print(torch.cuda.get_device_name())
-NS = [int(v) for v in os.environ.get("QB_NS", "4096,8192,16384,32768,65536,131072,262144").split(",")]
-BS = [int(v) for v in os.environ.get("QB_BS", "1,8,64").split(",")]
-EXTRA = int(os.environ.get("QB_EXTRA", "0"))
-for N0 in NS:
-    N = N0 + EXTRA
-    for ov in (0.45, 0.02):
-        tr = list(data.decode_trace(N, 2, k=k, overlap=ov, seed=1))
-        x0, x1 = tr[0][:N], tr[1][:N]
-        prev = torch.from_numpy(gvr.topk_decode(x0, k)).cuda()
-        for B in BS:
-            xg = torch.from_numpy(np.tile(x1, (B, 1))).cuda()
-            pb = prev.expand(B, k).contiguous()
-            out = torch.empty((B, k), dtype=torch.int32, device="cuda")
-            t_pred = timeit(lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out, method="gvr"))
-            t_nop = timeit(lambda: gvr.topk_decode(xg, k, out=out, method="gvr"))
-            t_rad = timeit(lambda: gvr.topk_decode(xg, k, out=out, method="radix"))
-            t_torch = timeit(lambda: torch.topk(xg, k, dim=-1, sorted=False)) if "--torch" in sys.argv else float("nan")
-            print(f"N={N:7d} ov={ov:.2f} B={B:3d}  gvr+prev {t_pred:7.2f}  gvr-noprev {t_nop:7.2f}  radix {t_rad:7.2f}  torch {t_torch:7.2f} us", flush=True)
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import _harness as H  # noqa: E402
+
+COLS = ("gvr_prev", "gvr", "radix", "torch")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072, 262144], help="row lengths N")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B")
+    p.add_argument("--overlap", type=float, nargs="+", default=[0.45, 0.02], help="target step-to-step Top-K overlaps")
+    p.add_argument("--extra", type=int, default=0, help="time rows of N + EXTRA elements")
+    p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--method", default="gvr", help="method of the gvr+prev and gvr columns (default 'gvr': the GVR kernel forced)")
+    p.add_argument("--torch", action="store_true", help="also time torch.topk(x, k, sorted=False)")
+    p.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph")
+    p.add_argument("--replays", type=int, default=5, help="timed replays (median)")
+    p.add_argument("--json", metavar="PATH", help="write the table and the header as JSON")
+    p.add_argument("--compare", nargs="+", metavar="JSON", help="print the cells of earlier --json runs side by side")
+    return p.parse_args(argv)
+
+
+def compare(paths):
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    key = lambda r: (r["n"], r["overlap"], r["b"])  # noqa: E731
+    tables = [{key(r): r for r in run["rows"]} for run in runs]
+    names = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    for i, (name, run) in enumerate(zip(names, runs)):
+        m = run["meta"]
+        print(f"# {chr(65 + i)} = {name}: {m.get('device_name')} {m.get('date')} gvr {m.get('gvr_file')} "
+              f"sources {m.get('source_digest')}")
+    cols = [c for c in COLS if any(r.get(c) is not None for r in runs[0]["rows"])]
+    headers = ["N", "ov", "B"] + [f"{c} {chr(65 + i)}" for c in cols for i in range(len(runs))] + \
+        [f"{c} {chr(66 + i)}/A" for c in cols for i in range(len(runs) - 1)]
+    rows = []
+    for kk in sorted(tables[0]):
+        r = [kk[0], f"{kk[1]:.2f}", kk[2]]
+        vals = {c: [t.get(kk, {}).get(c) for t in tables] for c in cols}
+        r += [H.fmt_us(v) if v is None else f"{v:.2f}" for c in cols for v in vals[c]]
+        r += [H.fmt_x(H.ratio(v, vals[c][0])) for c in cols for v in vals[c][1:]]
+        rows.append(r)
+    print(H.format_table(headers, rows, min_width=5))
+    print("times: median us per call (CUDA graph replays); X/A = time in run X / time in run A")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.compare:
+        return compare(a.compare)
+    import torch
+
+    import gvr
+    from gvr import data
+
+    inside = os.path.abspath(gvr.__file__).startswith(ROOT + os.sep)
+    meta = H.header(torch, ROOT if inside else None, cuda=True)
+    meta["args"] = vars(a)
+    print(H.header_line(meta))
+    print(f"# gvr from {gvr.__file__}; k={a.k}; CUDA graphs of {a.calls} calls, median of {a.replays} replays, us per call; "
+          f"gvr+prev and gvr: method={a.method!r}", flush=True)
+    timer = H.CudaTimer(torch, flush_bytes=0)
+    k, rows = a.k, []
+    for n0 in a.n:
+        n = n0 + a.extra
+        for ov in a.overlap:
+            tr = list(data.decode_trace(n, 2, k=k, overlap=ov, seed=1))
+            x0, x1 = tr[0][:n], tr[1][:n]
+            prev = torch.from_numpy(np.asarray(gvr.topk_decode(x0, k))).cuda()
+            for b in a.batch:
+                xg = torch.from_numpy(np.tile(x1, (b, 1))).cuda()
+                pb = prev.expand(b, k).contiguous()
+                out = torch.empty((b, k), dtype=torch.int32, device="cuda")
+                fns = {
+                    "gvr_prev": lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out, method=a.method),
+                    "gvr": lambda: gvr.topk_decode(xg, k, out=out, method=a.method),
+                    "radix": lambda: gvr.topk_decode(xg, k, out=out, method="radix"),
+                }
+                if a.torch:
+                    fns["torch"] = lambda: torch.topk(xg, k, dim=-1, sorted=False)
+                r = {"n": n, "overlap": ov, "b": b}
+                for name, fn in fns.items():
+                    r[name] = timer.graph(fn, a.calls, a.replays)["median_us"]
+                rows.append(r)
+                print(f"N={n:7d} ov={ov:.2f} B={b:3d}  gvr+prev {r['gvr_prev']:7.2f}  gvr-noprev {r['gvr']:7.2f}  "
+                      f"radix {r['radix']:7.2f}  torch {r.get('torch', float('nan')):7.2f} us", flush=True)
+    if a.json:
+        H.write_json(a.json, {"meta": meta, "rows": rows})
+        print(f"# wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()

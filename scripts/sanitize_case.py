@@ -1,9 +1,14 @@
-"""A small case of every CUDA kernel path, for compute-sanitizer (memcheck, racecheck, synccheck)."""
+"""A small case of every CUDA kernel path (radix, GVR in registers, GVR streamed, sorted output, row
+offsets) for compute-sanitizer. Usage: compute-sanitizer --tool memcheck python scripts/sanitize_case.py"""
+import argparse
+
 import numpy as np
 import torch
 
 import gvr
 from gvr import data
+
+argparse.ArgumentParser(description=__doc__).parse_args()  # no options: --help says what it does
 
 rng = np.random.default_rng(0)
 cases = []

@@ -1,10 +1,14 @@
-"""Fast GPU smoke test: a few shapes through every method, compared with the CPU path (exits 1 on a mismatch)."""
+"""Fast GPU smoke test: a few shapes through every method, with and without prediction, compared with the
+CPU path (exits 1 on a mismatch). Usage: python scripts/smoke_gpu.py"""
+import argparse
 import sys
 
 import numpy as np
 import torch
 
 import gvr
+
+argparse.ArgumentParser(description=__doc__).parse_args()  # no options: --help says what it does
 
 rng = np.random.default_rng(0)
 bad = 0

@@ -1,8 +1,10 @@
 """Shared fixtures and helpers for the gvr test suite.
 
 Contents:
-  * the ``gpu`` marker (``gpu: needs a CUDA device``); gpu-marked tests are skipped when
-    :func:`has_cuda` is False;
+  * the ``gpu`` marker (``gpu: needs a CUDA device``): every gpu-marked test is collected and, where
+    GPU tests cannot run, skipped one by one with the reason (harness.gpu_skip_reason), so a CPU
+    run's skip count is the number of GPU tests it did not run; the ``cuda`` fixture (torch, on a
+    machine where they can run);
   * seeded RNG fixtures;
   * :func:`has_cuda` / :func:`may_have_gpu`;
   * DLPack test doubles:
@@ -51,10 +53,28 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     gpu_items = [it for it in items if it.get_closest_marker("gpu") is not None]
-    if gpu_items and not has_cuda():
-        skip = pytest.mark.skip(reason="needs a CUDA device (torch/cupy missing or no device)")
+    if not gpu_items:
+        return
+    from harness import gpu_skip_reason
+
+    why = gpu_skip_reason()
+    if why is not None:
+        skip = pytest.mark.skip(reason=why)
         for it in gpu_items:
             it.add_marker(skip)
+
+
+@pytest.fixture
+def cuda():
+    """torch, for a test that needs a CUDA device (skipped with the reason otherwise)."""
+    from harness import gpu_skip_reason
+
+    why = gpu_skip_reason()
+    if why is not None:
+        pytest.skip(why)
+    import torch
+
+    return torch
 
 
 _HAS_CUDA = None

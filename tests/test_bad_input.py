@@ -386,3 +386,67 @@ def test_bad_method_and_stream_named_and_nothing_written():
         with pytest.raises(ValueError, match="stream"):
             gvr.topk_decode(x, 4, out=out, stream=bad)
     assert np.array_equal(x, x0) and (out == -7).all()
+
+
+# --------------------------------------------------------------------------------------------
+# messages: what was expected and what was got; scalars' types; limits from gvr_kernels.h
+# --------------------------------------------------------------------------------------------
+
+
+def test_out_shape_message_says_what_it_got():
+    with pytest.raises(ValueError) as ei:
+        topk(_scores(), K, out=_out((B, K + 1)))
+    assert f"'out' must have shape [{B}, {K}], got [{B}, {K + 1}]" in str(ei.value), str(ei.value)
+    with pytest.raises(ValueError) as ei:
+        topk(_scores()[0].copy(), K, out=_out((1, K)))
+    assert f"'out' must have shape [{K}]" in str(ei.value) and f"got [1, {K}]" in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("bad", ["yes", "", 1, 0, None, 1.0, [True]], ids=repr)
+def test_sorted_must_be_a_bool(bad):
+    """sorted="yes" used to be silently truthy: gvr._C takes a Python bool or numpy.bool_."""
+    from gvr import _C
+
+    x = _scores()
+    out = _out()
+    with pytest.raises(TypeError, match=r"'sorted' must be a bool, got " + type(bad).__name__):
+        _C.topk_decode(x, K, None, None, out, bad)
+    if bad is not None:  # the wrapper's default stands for None
+        expect_error(TypeError, "sorted", x, K, out=out, sorted=bad)
+    assert np.all(out == SENTINEL)
+    for ok in (True, False, np.True_, np.False_):
+        _C.topk_decode(x, K, None, None, out, ok)
+
+
+def test_host_inputs_ignore_stream():
+    """stream= is the CUDA stream of a call on CUDA buffers; a host call accepts it and ignores it."""
+    x = _scores()
+    assert np.array_equal(topk(x, K, stream=12345), topk(x, K))
+
+
+def _iso_cuda_limits_from_the_abi_header():
+    # checked before the CUDA library loads (or anything launches): no GPU needed
+    from gvr import _C
+
+    lim = gvr.build_info()["limits"]
+    big_k = lim["topk_sorted_max_k"] + 1
+    fake = _cuda_fake((1, 2 * big_k), F32, _BOGUS)
+    fo = _cuda_fake((1, big_k), I32, _BOGUS + (1 << 32))
+    with pytest.raises(ValueError, match=rf"'sorted=True' on CUDA supports k <= {lim['topk_sorted_max_k']}\b"):
+        _C.topk_decode(fake, big_k, None, None, fo, True)
+    n = lim["radix_max_positions"] + 1
+    fake = _cuda_fake((1, n), F32, _BOGUS)
+    fo = _cuda_fake((1, 8), I32, _BOGUS + (1 << 32))
+    with pytest.raises(ValueError, match="exceed the radix path") as ei:
+        _C.topk_decode(fake, 8, None, None, fo, False, 0, "radix")
+    msg = str(ei.value)
+    assert str(lim["radix_max_positions"]) in msg and str(lim["radix_max_positions"] - 3) in msg, msg
+    n = lim["topk_max_n"] + 1
+    fake = _cuda_fake((1, n), F32, _BOGUS)
+    fo = _cuda_fake((1, 8), I32, _BOGUS + (1 << 40))  # past the 4 GiB of scores
+    with pytest.raises(ValueError, match=rf"at most {lim['topk_max_n']} scores"):
+        _C.topk_decode(fake, 8, None, None, fo, False)
+
+
+def test_cuda_limits_from_the_abi_header():
+    run_isolated("test_bad_input", "_iso_cuda_limits_from_the_abi_header")

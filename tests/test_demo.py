@@ -1,4 +1,5 @@
-"""`python -m gvr` (the README's demo) runs, and reports every step exact."""
+"""`python -m gvr` (the README's demo) runs, and reports every step exact; k = 0 works; an
+unreachable overlap target is reported with the measured value."""
 import os
 import re
 import subprocess
@@ -9,8 +10,7 @@ import gvr
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_cpu_small():
-    steps = 3
+def run_demo(*args):
     env = dict(os.environ)
     # The child must import the same gvr as this test session: the installed package, or the
     # in-place build when gvr is not installed (conftest.py). `python -m` puts the working
@@ -21,14 +21,33 @@ def test_demo_cpu_small():
     if os.path.samefile(gvr_home, REPO_ROOT):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     env["OPENBLAS_NUM_THREADS"] = "1"  # gvr.data's matmuls: no oversubscription on small CI machines
-    proc = subprocess.run(
-        [sys.executable, "-m", "gvr", "--n", "4096", "--k", "256", "--steps", str(steps), "--device", "cpu"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = subprocess.run([sys.executable, "-m", "gvr", *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
     out = proc.stdout
     assert proc.returncode == 0, f"exit status {proc.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{proc.stderr}"
+    return out
+
+
+def assert_all_exact(out, steps):
     rows = re.findall(r"^\s*(\d+)\s+\d+\s.*exact: (yes|no)\s*$", out, re.M)
     assert [int(t) for t, _ in rows] == list(range(steps)), out
     assert all(ok == "yes" for _, ok in rows), out
     assert "exact: no" not in out, out
     assert "all exact: yes" in out, out
+
+
+def test_demo_cpu_small():
+    out = run_demo("--n", "4096", "--k", "256", "--steps", "3", "--device", "cpu")
+    assert_all_exact(out, 3)
+
+
+def test_demo_k_zero():
+    out = run_demo("--n", "3000", "--k", "0", "--steps", "2", "--device", "cpu")
+    assert_all_exact(out, 2)
+
+
+def test_demo_says_when_the_overlap_cannot_be_reached():
+    out = run_demo("--n", "4096", "--k", "256", "--steps", "3", "--overlap", "0", "--device", "cpu")
+    m = re.search(r"requested overlap 0\.00 cannot be reached: below chance level .*; measured (\d\.\d\d)", out)
+    assert m and float(m.group(1)) > 0.0, out
+    assert_all_exact(out, 3)

@@ -769,3 +769,44 @@ def test_concurrent_python_threads():
     assert not errors, errors
     for s, e in zip(scores, expected):
         check_result(e, s, 512)
+
+
+@pytest.mark.parametrize("B", [2, 3, 17, 64])
+def test_thread_pool_rows_identical_to_serial(B):
+    """Explicit thread counts run the pthread pool (rows above the work threshold): every row is
+    computed whole by one thread, so results equal the serial ones bit for bit, with ragged
+    lengths, a shared prev_topk row and sorted output."""
+    rng = np.random.default_rng(B)
+    n = 40000  # B * n above the pool's work threshold (2^18 elements) for B >= 7
+    scores = rng.standard_normal((B, n), dtype=np.float32)
+    lengths = rng.integers(0, n + 1, size=B).astype(np.int32)
+    prev = rng.integers(-3, n + 3, size=300).astype(np.int32)
+    old = gvr.get_num_threads()
+    try:
+        gvr.set_num_threads(1)
+        want = [topk(scores, 257), topk(scores, 257, lengths=lengths, prev_topk=prev, sorted=True)]
+        for nt in (2, 3, 8, 0):
+            gvr.set_num_threads(nt)
+            assert np.array_equal(topk(scores, 257), want[0]), nt
+            assert np.array_equal(topk(scores, 257, lengths=lengths, prev_topk=prev, sorted=True), want[1]), nt
+    finally:
+        gvr.set_num_threads(old)
+    check_result(want[0], scores, 257)
+
+
+def test_num_threads_setting():
+    import os
+
+    old = gvr.get_num_threads()
+    try:
+        gvr.set_num_threads(0)
+        assert gvr.get_num_threads() == os.cpu_count()  # the default: the online CPUs
+        gvr.set_num_threads(3)
+        assert gvr.get_num_threads() == 3
+        with pytest.raises(ValueError, match="'n' must not be negative"):
+            gvr.set_num_threads(-1)
+        with pytest.raises(TypeError, match="'n' must be an int"):
+            gvr.set_num_threads(1.5)
+    finally:
+        gvr.set_num_threads(0 if old == os.cpu_count() else old)
+    assert gvr._C.build_info()["threads"] == "pthreads"

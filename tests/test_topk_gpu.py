@@ -1,41 +1,21 @@
 """GPU tests for gvr.topk_decode: the CUDA kernels against the C CPU implementation.
 
 Every result is compared with the CPU path of gvr (itself checked against NumPy in
-test_topk_cpu.py): identical index sets per row; identical order when sorted=True. Skipped, with the
-reason, when torch with a CUDA device or gvr's CUDA library is missing.
+test_topk_cpu.py): identical index sets per row; identical order when sorted=True. Every test is
+collected; each is skipped, with the reason, when torch with a CUDA device or gvr's CUDA library is
+missing (conftest.py, harness.gpu_skip_reason).
 """
 import numpy as np
 import pytest
 
 import gvr
 from gvr import data
+from harness import assert_same_sets, cpu_result, torch_or_none
 
-torch = pytest.importorskip("torch", reason="GPU tests use torch tensors")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-if not gvr.cuda_available():
-    pytest.skip(f"gvr's CUDA library is not available: {gvr.build_info()['cuda_error']}", allow_module_level=True)
+torch = torch_or_none()  # None without torch: every test here is then skipped before it runs
 
 pytestmark = pytest.mark.gpu
 METHODS = ("auto", "gvr", "radix")
-
-
-def cpu_result(x, k, lengths=None, sorted=False):
-    return gvr.topk_decode(np.ascontiguousarray(x), k, lengths=lengths, sorted=sorted)
-
-
-def assert_same_sets(got, want, what=""):
-    got = np.asarray(got)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    if got.size == 0:
-        return
-    g = np.sort(got.reshape(-1, got.shape[-1]), axis=1)
-    w = np.sort(want.reshape(-1, want.shape[-1]), axis=1)
-    bad = np.nonzero((g != w).any(axis=1))[0]
-    if bad.size:
-        r = bad[0]
-        diff = np.setxor1d(g[r], w[r])
-        raise AssertionError(f"{what}: rows {bad[:10]} differ; row {r}: symmetric difference {diff[:20]}")
 
 
 def gpu(x):

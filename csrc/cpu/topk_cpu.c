@@ -1,8 +1,8 @@
 /* Exact decode-time Top-K on the CPU: GVR's guess-verify-refine adapted to one core per row.
  *
  * Order (ARCHITECTURE.md): value descending, -0 == +0, -inf valid, NaN below -inf, ties to the lower
- * index. Mapping every float to a sortable 32-bit key (gvr_float_key) makes this the order of
- * (key descending, index ascending).
+ * index. Mapping every float to a sortable 32-bit key (gvr_key_f32, kernels/common/gvr_keys.h) makes
+ * this the order of (key descending, index ascending).
  *
  * Per row of length L, kk = min(k, L), window W = max(kk, 64):
  *  1. Guess: a strided sample of 1024 keys; the first threshold is its quantile at rank about
@@ -32,31 +32,20 @@
  */
 #include "topk_cpu.h"
 
+#include "../../kernels/common/gvr_keys.h"
+#include "threads.h"
+
 #include <stdlib.h>
 #include <string.h>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define GVR_X86 1
 #endif
 
-#define KEY_NEG_INF 0x007FFFFFu
-#define KEY_POS_INF 0xFF800000u
-
 static _Thread_local gvr_topk_cpu_stats tls_stats;
 
 void topk_cpu_last_stats(gvr_topk_cpu_stats *s) { *s = tls_stats; }
-
-static inline float key_to_float(uint32_t k)
-{
-    union { uint32_t u; float f; } c;
-    c.u = (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k;
-    return c.f;
-}
 
 /* #{i : x[i] >= t}; t is never NaN (NaN elements compare false). */
 static int64_t count_ge_scalar(const float *x, int64_t n, float t)
@@ -373,13 +362,13 @@ static uint32_t sample_select(const uint32_t *v, int64_t m, int64_t r, uint32_t 
     return kth_largest(v, m, r, lo, hi, &g, tmp);
 }
 
-/* keys[i] = gvr_float_key(x[idx[i]]) for i < n; *kmin, *kmax: their range (n >= 1). */
+/* keys[i] = gvr_key_f32(x[idx[i]]) for i < n; *kmin, *kmax: their range (n >= 1). */
 static void keys_of_scalar(const float *x, const int32_t *idx, int64_t n, uint32_t *keys, uint32_t *kmin,
                            uint32_t *kmax)
 {
     uint32_t lo = 0xFFFFFFFFu, hi = 0;
     for (int64_t i = 0; i < n; i++) {
-        uint32_t k = gvr_float_key(x[idx[i]]);
+        uint32_t k = gvr_key_f32(x[idx[i]]);
         keys[i] = k;
         lo = k < lo ? k : lo;
         hi = k > hi ? k : hi;
@@ -617,7 +606,7 @@ static void gather_prediction(search_t *q)
     for (int64_t j = 0; j < q->kp; j++) {
         int32_t p = q->prev[j];
         if (p >= 0 && p < q->L) {
-            uint32_t key = gvr_float_key(q->x[p]);
+            uint32_t key = gvr_key_f32(q->x[p]);
             if (key)
                 q->sp[q->mp++] = key;
         }
@@ -628,7 +617,7 @@ static void gather_prediction(search_t *q)
 static uint32_t find_threshold(search_t *q, int32_t *idx, int64_t *count_out, int *collected)
 {
     const int64_t L = q->L, kk = q->kk, W = q->W, target = kk + W / 2;
-    uint32_t ge_key = 0, lt_key = KEY_POS_INF + 1; /* c(0) = L >= kk, c(+inf+1) = 0 < kk */
+    uint32_t ge_key = 0, lt_key = GVR_KEY_POS_INF + 1; /* c(0) = L >= kk, c(+inf+1) = 0 < kk */
     int64_t ge_cnt = L, lt_cnt = 0;
     int ge_real = 0, lt_real = 0, same_side = 0, last_side = 0, passes = 0;
     *collected = 0;
@@ -637,22 +626,22 @@ static uint32_t find_threshold(search_t *q, int32_t *idx, int64_t *count_out, in
         int64_t r = (int64_t)((double)target * (double)q->mq / (double)L) + 1;
         t = sample_select(q->sq, q->mq, r < q->mq ? r : q->mq, q->scratch);
     } else {
-        t = KEY_NEG_INF;
+        t = GVR_KEY_NEG_INF;
     }
     for (int iter = 0; iter < 80; iter++) {
         if (lt_key - ge_key <= 1)
             break;
         if (t <= ge_key || t >= lt_key)
             t = ge_key + (lt_key - ge_key) / 2;
-        if (t < KEY_NEG_INF) {
-            if (lt_key <= KEY_NEG_INF)
+        if (t < GVR_KEY_NEG_INF) {
+            if (lt_key <= GVR_KEY_NEG_INF)
                 break; /* fewer than kk non-NaN values: threshold 0 */
-            t = KEY_NEG_INF;
+            t = GVR_KEY_NEG_INF;
         }
         /* collect while counting when the count is expected in the window (first guess, or a
          * bracket tight enough for the secant); count only otherwise */
         const int try_collect = passes == 0 || (ge_real && lt_real && ge_cnt <= 4 * q->cap);
-        int64_t c = try_collect ? collect_ge(q->x, L, key_to_float(t), idx, q->cap) : count_ge(q->x, L, key_to_float(t));
+        int64_t c = try_collect ? collect_ge(q->x, L, gvr_key_to_f32(t), idx, q->cap) : count_ge(q->x, L, gvr_key_to_f32(t));
         passes++;
         int side;
         if (c >= kk) {
@@ -679,11 +668,11 @@ static uint32_t find_threshold(search_t *q, int32_t *idx, int64_t *count_out, in
         const int64_t m = q->mp >= 16 ? q->mp : q->mq;
         if (same_side >= 2) {
             nt = 0; /* bisect */
-        } else if (ge_real && lt_real && ge_key >= KEY_NEG_INF && lt_key <= KEY_POS_INF) {
-            float fg = key_to_float(ge_key), fl = key_to_float(lt_key);
+        } else if (ge_real && lt_real && ge_key >= GVR_KEY_NEG_INF && lt_key <= GVR_KEY_POS_INF) {
+            float fg = gvr_key_to_f32(ge_key), fl = gvr_key_to_f32(lt_key);
             double f = (double)fg + ((double)fl - (double)fg) * (double)(ge_cnt - target) / (double)(ge_cnt - lt_cnt);
             if (f == f && f > -3.4e38 && f < 3.4e38)
-                nt = gvr_float_key((float)f);
+                nt = gvr_key_f32((float)f);
         } else if (m > 0) {
             /* one side known: scale the sample's rank of t by the measured count */
             int64_t r = sample_rank(smp, m, t);
@@ -736,7 +725,7 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
      * NaN (key 0) is left out */
     const int64_t ms = L < 1024 ? L : 1024, step = L / ms, step_rem = L % ms;
     for (int64_t j = 0, pos = 0, rem = 0; j < ms; j++) {
-        uint32_t key = gvr_float_key(x[pos]);
+        uint32_t key = gvr_key_f32(x[pos]);
         q.sq[q.mq] = key;
         q.mq += key != 0;
         pos += step;
@@ -770,7 +759,7 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
             for (int64_t i = 0; i < L; i++)
                 cidx[i] = (int32_t)i;
         } else {
-            c = collect_ge(x, L, key_to_float(T), cidx, c);
+            c = collect_ge(x, L, gvr_key_to_f32(T), cidx, c);
         }
     }
     uint32_t *ckey = malloc((size_t)(c + 64) * 2 * sizeof *ckey);
@@ -800,7 +789,7 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
         }
         for (int64_t i = 0; i < kk; i++) {
             si[i] = out[i];
-            sk[i] = gvr_float_key(x[out[i]]);
+            sk[i] = gvr_key_f32(x[out[i]]);
         }
         sort_desc(sk, si, kk, sk + kk, si + kk);
         memcpy(out, si, (size_t)kk * sizeof *out);
@@ -812,22 +801,19 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
     return 0;
 }
 
-int topk_decode_cpu(const gvr_topk_params *p, int num_threads)
+static int topk_row_of(void *ctx, int64_t b)
 {
-    int failed = 0;
-    int64_t B = p->B;
-#ifdef _OPENMP
-    if (num_threads > B)
-        num_threads = (int)B;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
-#endif
-    for (int64_t b = 0; b < B; b++) {
-        int64_t L = p->lengths ? p->lengths[b] : p->N;
-        const int32_t *prev = p->prev ? p->prev + b * p->prev_stride : NULL;
-        int64_t Kp = p->prev ? p->Kp : 0;
-        if (topk_row(p->scores + b * p->row_stride, L, prev, Kp, p->k, p->sorted, p->out + b * p->out_stride))
-            failed |= 1;
-    }
-    (void)num_threads;
-    return failed ? -1 : 0;
+    const gvr_topk_params *p = ctx;
+    const int64_t L = p->lengths ? p->lengths[b] : p->N;
+    const int32_t *prev = p->prev ? p->prev + b * p->prev_stride : NULL;
+    const int64_t Kp = p->prev ? p->Kp : 0;
+    return topk_row(p->scores + b * p->row_stride, L, prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
+}
+
+int topk_decode_cpu(const gvr_topk_params *p)
+{
+    int64_t work = 0; /* elements read, about: the sum of the row lengths */
+    for (int64_t b = 0; b < p->B; b++)
+        work += p->lengths ? p->lengths[b] : p->N;
+    return gvr_parallel_rows(p->B, work, topk_row_of, (void *)p);
 }

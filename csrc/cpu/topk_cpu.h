@@ -1,0 +1,21 @@
+/* Exact decode-time Top-K on the CPU (the reference for the CUDA kernels and a fast NumPy path). */
+#ifndef GVR_TOPK_CPU_H
+#define GVR_TOPK_CPU_H
+
+#include <stdint.h>
+
+#include "../../kernels/gvr_kernels.h"
+
+/* Runs every row of p (host pointers), in parallel on the pool of cpu/threads.h when the work is
+ * large enough (results do not depend on the thread count).
+ * Returns 0, or -1 when memory for candidates could not be allocated. */
+int topk_decode_cpu(const gvr_topk_params *p);
+
+/* Statistics of the calling thread's last row (for benchmarks and tests of the search itself). */
+typedef struct {
+    int count_passes;   /* full-row counting passes */
+    int64_t candidates; /* size of the candidate set that was collected */
+} gvr_topk_cpu_stats;
+void topk_cpu_last_stats(gvr_topk_cpu_stats *s);
+
+#endif

@@ -1,0 +1,217 @@
+/* topk_decode: its argument spec, its CPU call and its CUDA call. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu/topk_cpu.h"
+#include "cuda_lib.h"
+#include "intake.h"
+#include "ops.h"
+
+enum { SCORES, PREV, LENGTHS, OUT, NARGS };
+
+/* argument i's nosync bit is bit i (gvr/_ops.py sets them in this order) */
+static const gvr_arg_spec topk_args[NARGS] = {
+    [SCORES] = {"scores", GVR_DT(GVR_DTYPE_F32), "B,N|N;B=1", GVR_HOST | GVR_DEVICE, GVR_UNIT_LAST, NULL, NULL},
+    [PREV] = {"prev_topk", GVR_DT(GVR_DTYPE_I32), "B,Kp|Kp", GVR_HOST | GVR_DEVICE, GVR_OPTIONAL | GVR_UNIT_LAST,
+              NULL, NULL},
+    [LENGTHS] = {"lengths", GVR_DT(GVR_DTYPE_I32), "B", GVR_HOST | GVR_DEVICE,
+                 GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
+    [OUT] = {"out", GVR_DT(GVR_DTYPE_I32), "B,K|K", GVR_HOST | GVR_DEVICE, GVR_OUTPUT | GVR_ALLOC | GVR_UNIT_LAST,
+             NULL, "scores"},
+};
+const gvr_spec gvr_topk_spec = {"topk_decode", NARGS, topk_args};
+
+const char gvr_topk_doc[] =
+    "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream, method, nosync)\n--\n\n"
+    "Exact Top-K of each row of scores into out (int32). See gvr.topk_decode.\n"
+    "sorted: a bool. method: 'auto', 'gvr' or 'radix' (CUDA paths; the CPU has one implementation).\n"
+    "stream: the CUDA stream of a call on CUDA buffers; host buffers ignore it.\n"
+    "nosync: bit i set (i = 0 scores, 1 prev_topk, 2 lengths, 3 out) when that argument's\n"
+    "producer runs on `stream` as its current stream: its DLPack export gets stream=-1.";
+
+static int parse_method(PyObject *o, int *method)
+{
+    const char *s = "auto";
+    if (o && o != Py_None) {
+        if (!PyUnicode_Check(o)) {
+            PyErr_Format(PyExc_TypeError, "'method' must be a str ('auto', 'gvr' or 'radix'), got %s",
+                         Py_TYPE(o)->tp_name);
+            return -1;
+        }
+        if (!(s = PyUnicode_AsUTF8(o)))
+            return -1;
+    }
+    if (!strcmp(s, "auto"))
+        *method = GVR_TOPK_AUTO;
+    else if (!strcmp(s, "gvr"))
+        *method = GVR_TOPK_GVR;
+    else if (!strcmp(s, "radix"))
+        *method = GVR_TOPK_RADIX;
+    else {
+        PyErr_Format(PyExc_ValueError, "'method' must be 'auto', 'gvr' or 'radix', got '%s'", s);
+        return -1;
+    }
+    return 0;
+}
+
+/* lengths must lie in [0, N]: checked (and made contiguous) on the host */
+static int read_lengths(const int32_t *src, int64_t stride, int64_t B, int64_t N, int32_t *dst)
+{
+    for (int64_t b = 0; b < B; b++) {
+        const int32_t L = src[b * stride];
+        if (L < 0 || L > N) {
+            PyErr_Format(PyExc_ValueError, "'lengths' must lie in [0, %lld], got lengths[%lld] = %d", (long long)N,
+                         (long long)b, L);
+            return -1;
+        }
+        dst[b] = L;
+    }
+    return 0;
+}
+
+static int run_cpu(gvr_topk_params *p, const gvr_view *ln, int32_t *len_copy)
+{
+    if (ln->data) {
+        if (read_lengths((const int32_t *)ln->data, ln->strides[0], p->B, p->N, len_copy) < 0)
+            return -1;
+        p->lengths = len_copy;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = topk_decode_cpu(p);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static int run_cuda(gvr_topk_params *p, const gvr_intake *in, intptr_t stream, int32_t *len_copy)
+{
+    const gvr_view *ln = &in->view[LENGTHS];
+    /* the CUDA path's limits (gvr_kernels.h), before the library loads */
+    if (p->sorted && p->k > GVR_TOPK_SORTED_MAX_K) {
+        PyErr_Format(PyExc_ValueError, "'sorted=True' on CUDA supports k <= %d, got k = %d", GVR_TOPK_SORTED_MAX_K,
+                     p->k);
+        return -1;
+    }
+    /* rows in 16-byte aligned coordinates: a row starting s floats past a boundary covers N + s */
+    if (p->method == GVR_TOPK_RADIX && gvr_topk_row_positions(p) > GVR_RADIX_MAX_POSITIONS) {
+        PyErr_Format(PyExc_ValueError,
+                     "'scores' rows longer than %d exceed the radix path (method 'gvr' or 'auto' serves them; "
+                     "rows not starting on a 16-byte boundary: %d), got N = %d",
+                     GVR_RADIX_MAX_POSITIONS, GVR_RADIX_MAX_POSITIONS - 3, p->N);
+        return -1;
+    }
+    if ((int64_t)p->N > (int64_t)GVR_TOPK_MAX_N) {
+        PyErr_Format(PyExc_ValueError, "'scores' rows on CUDA hold at most %lld scores, got N = %d",
+                     (long long)GVR_TOPK_MAX_N, p->N);
+        return -1;
+    }
+    const gvr_cuda_api *cu = gvr_cuda();
+    if (!cu)
+        return -1;
+    int rc, prev_dev = -1;
+    if (cu->set_device(in->device_id, &prev_dev)) {
+        gvr_cuda_raise("selecting the CUDA device");
+        return -1;
+    }
+    rc = 0;
+    if (ln->data) {
+        p->lengths = (const int32_t *)ln->data;
+        const char *chk = getenv("GVR_CHECK");
+        if (chk && chk[0] == '1') {
+            /* opt-in: validate device-resident lengths at the cost of a sync */
+            if (cu->copy_to_host(len_copy, ln->data, (size_t)p->B * sizeof *len_copy, (void *)stream)) {
+                gvr_cuda_raise("reading 'lengths'");
+                rc = -1;
+            } else if (read_lengths(len_copy, 1, p->B, p->N, len_copy) < 0) {
+                rc = -1;
+            }
+        }
+    }
+    if (rc == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = cu->topk_decode(p, NULL, 0, (void *)stream);
+        Py_END_ALLOW_THREADS
+        if (rc)
+            gvr_cuda_raise("gvr_topk_decode");
+    }
+    if (prev_dev >= 0 && prev_dev != in->device_id)
+        cu->set_device(prev_dev, NULL); /* leave the caller's current device as it was */
+    return rc ? -1 : 0;
+}
+
+PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
+{
+    (void)self;
+    static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", "nosync", NULL};
+    PyObject *obj[NARGS] = {NULL, NULL, Py_None, Py_None};
+    PyObject *o_k, *o_sorted = Py_False, *o_stream = Py_None, *o_method = NULL, *o_nosync = NULL;
+    PyObject *result = NULL;
+    int32_t *len_copy = NULL;
+    gvr_intake in;
+    gvr_intake_init(&in);
+    obj[OUT] = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOO:topk_decode", kwlist, &obj[SCORES], &o_k, &obj[PREV],
+                                     &obj[LENGTHS], &obj[OUT], &o_sorted, &o_stream, &o_method, &o_nosync))
+        return NULL;
+    unsigned nosync;
+    int method, sorted;
+    intptr_t stream;
+    Py_ssize_t k;
+    /* scalars first: a bad one is rejected before any buffer is taken */
+    if (gvr_parse_nosync(o_nosync, NARGS, &nosync) < 0 || parse_method(o_method, &method) < 0 ||
+        gvr_parse_stream(o_stream, &stream) < 0 || gvr_parse_int(o_k, "k", &k) < 0 ||
+        gvr_parse_bool(o_sorted, "sorted", &sorted) < 0)
+        goto fail;
+    if (k > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "'k' must be at most %d, got %zd", INT32_MAX, k);
+        goto fail;
+    }
+    if (gvr_intake_bind(&in, "K", k, "k") < 0 || gvr_intake_run(&in, &gvr_topk_spec, obj, stream, nosync) < 0)
+        goto fail;
+
+    const gvr_view *sc = &in.view[SCORES], *pv = &in.view[PREV], *ot = &in.view[OUT];
+    const int one_d = sc->ndim == 1;
+    const int64_t B = gvr_intake_dim(&in, "B"), N = gvr_intake_dim(&in, "N");
+    if (N > INT32_MAX || B > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "'scores' has shape too large for int32 indices (B=%lld, N=%lld)",
+                     (long long)B, (long long)N);
+        goto fail;
+    }
+    const int64_t Kp = pv->data ? gvr_intake_dim(&in, "Kp") : 0;
+    if (Kp > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "'prev_topk' is too long");
+        goto fail;
+    }
+    gvr_topk_params p = {0};
+    p.scores = (const float *)sc->data;
+    p.row_stride = one_d ? N : sc->strides[0];
+    p.B = (int32_t)B;
+    p.N = (int32_t)N;
+    p.prev = (const int32_t *)pv->data;
+    p.prev_stride = pv->data && pv->ndim == 2 ? pv->strides[0] : 0; /* [Kp]: one row for every row */
+    p.Kp = (int32_t)Kp;
+    p.k = (int32_t)k;
+    p.sorted = sorted;
+    p.method = method;
+    p.out = (int32_t *)ot->data;
+    p.out_stride = one_d ? k : ot->strides[0];
+    if (in.view[LENGTHS].data && !(len_copy = malloc((size_t)(B ? B : 1) * sizeof *len_copy))) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if ((in.device == GVR_DEV_CUDA ? run_cuda(&p, &in, stream, len_copy) : run_cpu(&p, &in.view[LENGTHS], len_copy)) < 0)
+        goto fail;
+    result = gvr_intake_object(&in, obj, OUT);
+    Py_INCREF(result);
+fail:
+    free(len_copy);
+    gvr_intake_release(&in);
+    return result;
+}

@@ -1,0 +1,100 @@
+"""gvr.topk_decode: the Python wrapper (defaults, outputs in the caller's framework, the caller's
+stream) and its torch.library ops ``gvr::topk_decode`` and ``gvr::topk_decode_out``.
+Validation and computation happen in gvr._C."""
+from __future__ import annotations
+
+import sys
+
+from . import _C
+from ._interop import compiling, define_op, empty, framework, prepare
+
+__all__ = ["topk_decode"]
+
+
+def _out_shape(scores, k):
+    """[B, k] or [k], or None when it can't be read (gvr._C then reports the problem)."""
+    shape = getattr(scores, "shape", None)
+    if shape is None or len(shape) not in (1, 2) or isinstance(k, bool):
+        return None
+    try:
+        k = int(k.__index__())
+    except (AttributeError, TypeError):
+        return None
+    if k < 0:
+        return None
+    return (k,) if len(shape) == 1 else (int(shape[0]), k)
+
+
+def _eager(scores, k, prev_topk, lengths, out, sorted, stream, method):
+    fw = framework(scores)
+    if out is None:
+        out = empty(scores, fw, _out_shape(scores, k), "int32")
+    (s, p, n, o), stream, nosync = prepare(fw, scores, (scores, prev_topk, lengths, out), stream)
+    r = _C.topk_decode(s, k, p, n, o, sorted, stream, method, nosync)
+    return r if out is None else out
+
+
+# -- torch.library ops (used while torch.compile traces; eager calls run _eager directly) ----------
+def _impl(scores, k, prev_topk, lengths, sorted, method):
+    return _eager(scores, k, prev_topk, lengths, None, sorted, None, method)
+
+
+def _fake(scores, k, prev_topk, lengths, sorted, method):
+    shape = (k,) if scores.dim() == 1 else (scores.shape[0], k)
+    return scores.new_empty(shape, dtype=sys.modules["torch"].int32)
+
+
+def _impl_out(scores, k, prev_topk, lengths, out, sorted, method):
+    _eager(scores, k, prev_topk, lengths, out, sorted, None, method)
+
+
+def _fake_out(scores, k, prev_topk, lengths, out, sorted, method):
+    return None
+
+
+_ARGS = "Tensor scores, SymInt k, Tensor? prev_topk, Tensor? lengths"
+_op = define_op("topk_decode", f"({_ARGS}, bool sorted, str method) -> Tensor", impl=_impl, fake=_fake)
+_op_out = define_op("topk_decode_out", f"({_ARGS}, Tensor(a!) out, bool sorted, str method) -> ()",
+                    impl=_impl_out, fake=_fake_out, mutates_args=("out",))
+
+
+def _traced(scores, k, prev_topk, lengths, out, sorted, stream, method):
+    if stream is not None:
+        raise ValueError("'stream' is not supported under torch.compile: call gvr.topk_decode inside "
+                         "`with torch.cuda.stream(s):` instead")
+    if out is None:
+        return _op.call(scores, k, prev_topk, lengths, sorted, method)
+    _op_out.call(scores, k, prev_topk, lengths, out, sorted, method)
+    return out
+
+
+def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=False, stream=None, method="auto"):
+    """Exact Top-K of each row of ``scores``, warm-started by the previous decode step's Top-K.
+
+    scores:    float32 ``[B, N]`` (or ``[N]``); unit stride along N, any row stride. NumPy arrays,
+               torch tensors (CPU or CUDA), CuPy arrays or any DLPack producer.
+    k:         int >= 0 (k = 0 gives an empty ``[B, 0]`` result).
+    prev_topk: int32 ``[B, Kp]`` or ``[Kp]`` (shared by every row), or None: a hint only — any
+               content (wrong, empty, -1, out of range, duplicated) gives the same result.
+    lengths:   int32 ``[B]`` or None: row b uses ``scores[b, :lengths[b]]``.
+    out:       int32 ``[B, k]`` (``[k]``) to write into; allocated otherwise in the caller's framework,
+               on the scores' device (NumPy in -> NumPy out, torch in -> torch out, CuPy likewise).
+    sorted:    a bool: order each row by descending value, ties by ascending index (other types are
+               a TypeError).
+    stream:    CUDA stream for CUDA inputs (an int handle, a torch.cuda.Stream or a CuPy stream);
+               defaults to torch's current stream on the scores' device, or CuPy's current stream.
+               Accepted and ignored for CPU inputs (NumPy, CPU tensors). Not supported under
+               torch.compile: use ``with torch.cuda.stream(s):`` there.
+    method:    "auto" (the fastest exact path for the shape and hint), "gvr" or "radix" — a CUDA
+               choice. Every method gives the same result; on the CPU all three run its one
+               implementation, so code written for the GPU runs unchanged there.
+
+    Returns int32 indices: per row, the min(k, length) first elements of the order (value
+    descending, -inf valid, NaN below -inf, -0.0 == +0.0, ties to the lower index), then -1.
+
+    Under torch.compile the call is the custom op ``torch.ops.gvr.topk_decode`` (``topk_decode_out``
+    with ``out=``), with fake implementations, so compiled graphs hold it without a graph break.
+    """
+    if compiling():
+        return _traced(scores, k, prev_topk, lengths, out, sorted, stream, method)
+    return _eager(scores, k, prev_topk, lengths, out, sorted, stream, method)

@@ -1,0 +1,843 @@
+/* gvr.cuh: the GVR Top-K kernel, gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>: one cluster of C CTAs
+ * per row (C <= 16), the row either held in registers (STREAM false: RowTile<VEC>, read from memory
+ * once) or streamed (STREAM true: each CTA owns a segment of nch chunks of P = 2048 VEC positions
+ * and re-reads it per pass, so N is limited only by int32 indices). One template for both; the
+ * register-tile instances are built in gvr_tile_a.cu / gvr_tile_b.cu, the streamed ones in
+ * gvr_stream.cu.
+ *
+ * Exchange design: a cluster barrier with release/acquire semantics costs ~0.65 us on an H100, a
+ * relaxed one ~0.08 us (benchmarks/RESULTS.md), so the search never uses a release barrier: each
+ * round every CTA pushes its small histogram (256 bins; 16-bit counts for register-held rows) into
+ * every peer's shared memory with st.async, signalling the peer's mbarrier (complete-tx), and then
+ * sums the C copies locally. All CTAs see identical data and make identical choices, so no CTA waits
+ * for a decision.
+ *
+ * Order: the composite key ck = key << 32 | (2^32 - 1 - index) is unique per element and orders
+ * elements exactly as the Top-K order (value descending, ties to the lower index). The search keeps
+ * an interval [A, Z] of composite keys that holds the kk-th largest: `above` elements lie above Z
+ * (all selected), `cnt_in` inside. A round bins the elements inside [A, Z] and keeps the bin holding
+ * the kk-th largest. When cnt_in <= CAND_CAP the candidates are pushed to rank 0, which ranks them
+ * exactly (ties included, since composite keys are unique) and writes the `need` best; every CTA
+ * writes its elements above Z at offsets known from the exchanged per-rank counts.
+ *  - Guess (GVR phase 1): mean and spread of the scores at up to 256 evenly strided entries of the
+ *    previous step's Top-K and of a strided sample of 256 (each CTA gathers them itself: no
+ *    exchange; one block reduction). The prediction is used when its mean lies at least halfway
+ *    from the sample's mean to the sample's normal-quantile estimate of the k-th value (a useful
+ *    previous Top-K sits in the upper tail); otherwise the sample's estimate is the center. The
+ *    first round spreads 254 bins evenly in value over center +- spread, one bin below, one above
+ *    (the bin above the band is counted in registers: it can hold many elements).
+ *  - Streamed rows: chunks read with the next chunk's loads in flight; 32-bit counts. The first
+ *    pass also collects the (key, index) pairs of bins >= coll_bin (a threshold below the guessed
+ *    k-th value) into per-warp shared-memory segments at ballot offsets; when no warp overflowed
+ *    (flags exchanged in the unused histogram bin 0) and the kk-th lies at or above coll_bin, later
+ *    rounds and the output read the pairs, not the row; otherwise they re-read the row.
+ *  - Register-held rows stay raw floats while the rounds and the output can compare values (value
+ *    maps, key-aligned bounds); they become stored keys only when a round needs keys (shift maps,
+ *    ties at the boundary).
+ *  - Value rounds (at most 4): even value bins over a bracket, or a band 8x wider next to an open
+ *    side when the k-th value fell outside the previous band.
+ *  - Shift rounds: bins (ck - A) >> s on the composite key, 8 bits per round; they end the search
+ *    in at most 8 rounds whatever the data (all-equal rows included).
+ *  - Output: per chunk, each warp's elements above Z and candidates take consecutive slots from a
+ *    warp sum, a scan of the warp totals and a ballot per element (coalesced and deterministic).
+ * Included by the gvr_*.cu files only. */
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include <type_traits>
+
+#include "common/cluster.cuh"
+#include "common/device.cuh"
+#include "common/launch.cuh"
+#include "topk/common.cuh"
+
+namespace gvr::topk {
+
+namespace cg = cooperative_groups;
+
+constexpr int GVR_BINS = 256;                  /* bins per round */
+constexpr int GVR_PACKED_WORDS = GVR_BINS / 2; /* 32-bit words per packed histogram (two 16-bit counts) */
+constexpr int CAND_CAP = 256;                  /* candidates ranked by rank 0 */
+constexpr int MAX_VALUE_ROUNDS = 4;
+/* Phase-1 statistics read PRED_STATS entries of the previous Top-K (evenly strided over the list:
+ * an unbiased subset whatever its order) and a strided sample of SAMPLE row elements. Every CTA of a
+ * cluster gathers the same ones (identical statistics, no exchange), so they are few (more measured
+ * slower, benchmarks/RESULTS.md). */
+constexpr int PRED_STATS = 256;
+constexpr int PRED_PER_THREAD = (PRED_STATS + THREADS - 1) / THREADS;
+constexpr int SAMPLE = 256;
+/* first-round band half-widths in standard deviations of the predicted scores / of the sample */
+constexpr float PRED_SPREAD = 2.5f, SAMPLE_SPREAD = 1.5f;
+/* register-held rows: count the first round on the raw floats and convert to keys after it (true),
+ * or convert while the phase-1 gathers are in flight (false) */
+constexpr bool RAW_FIRST = true;
+
+/* Deterministic block sum of M <= 8 floats, one barrier: warp sums (fixed shuffle tree), then every
+ * thread adds the warp sums in warp order itself (the same order everywhere: identical results).
+ * Once per kernel: s.red is not reused after it. */
+template <int M, class S>
+__device__ void block_sum(float (&v)[M], S &s)
+{
+    static_assert(M <= 8 && sizeof(s.red[0]) == 8 * sizeof(float), "block_sum: scratch too small");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < M; i++)
+        for (int o = 16; o > 0; o >>= 1)
+            v[i] += __shfl_xor_sync(0xFFFFFFFFu, v[i], o);
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < M; i++)
+            s.red[warp][i] = v[i];
+    __syncthreads();
+    float r[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        r[i] = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; w++) {
+        const float4 a = reinterpret_cast<const float4 *>(s.red[w])[0];
+        const float4 b = reinterpret_cast<const float4 *>(s.red[w])[1];
+        r[0] += a.x, r[1] += a.y, r[2] += a.z, r[3] += a.w, r[4] += b.x, r[5] += b.y, r[6] += b.z, r[7] += b.w;
+    }
+#pragma unroll
+    for (int i = 0; i < M; i++)
+        v[i] = r[i];
+}
+
+/* A tile of collected (key, index) pairs (streamed kernel after its first pass): the same shape as a
+ * RowTile; each warp reads its own segment (n pairs from `first` on), key 0 past the end */
+template <int VEC>
+struct PairTile {
+    uint32_t key[VEC * 4];
+    int idx[VEC * 4];
+    __device__ __forceinline__ int index(int j, int l) const { return idx[4 * j + l]; }
+    __device__ __forceinline__ void load(const uint2 *seg, int n, int first)
+    {
+#pragma unroll
+        for (int q = 0; q < 4 * VEC; q++) {
+            const int i = first + q * 32 + (int)(threadIdx.x & 31);
+            const uint2 e = i < n ? seg[i] : make_uint2(0u, 0u);
+            key[q] = e.x;
+            idx[q] = (int)e.y;
+        }
+    }
+};
+
+/* Histogram words: register-resident rows (<= 32K elements per CTA) pack two 16-bit counts per
+ * word; streamed rows (any length per CTA) use 32-bit counts. */
+template <bool STREAM>
+struct BinCounts {
+    static constexpr int W = STREAM ? GVR_BINS : GVR_PACKED_WORDS; /* 32-bit words per histogram */
+    static __device__ __forceinline__ int get(const uint32_t *h, int b)
+    {
+        if constexpr (STREAM)
+            return (int)h[b];
+        else
+            return (int)((h[b >> 1] >> ((b & 1) * 16)) & 0xFFFFu);
+    }
+    static __device__ __forceinline__ void add(uint32_t *h, int b, uint32_t n = 1u)
+    {
+        if constexpr (STREAM)
+            atomicAdd(&h[b], n);
+        else
+            atomicAdd(&h[b >> 1], n << ((b & 1) * 16));
+    }
+};
+
+template <bool STREAM>
+struct GvrShared {
+    static constexpr int W = BinCounts<STREAM>::W;
+    uint32_t hist[W];                         /* this CTA's counts of the current round */
+    uint32_t recv[2][MAX_C][W];               /* every rank's counts, double-buffered by round parity */
+    uint2 cand[CAND_CAP];                     /* rank 0: (key, index) of the candidates */
+    int above[MAX_C];                         /* per rank: elements above Z */
+    int inb[MAX_C];                           /* per rank: elements in [A, Z] */
+    uint64_t mb[3];                           /* mbarriers: exchange (2 parities), candidates */
+    __align__(16) float red[WARPS][8]; /* block_sum scratch */
+    int pick[4];
+    uint32_t edge[2]; /* the chosen bin's key range [edge[0], edge[1]) in a value round */
+    int wtot[WARPS];  /* output pass: per-warp counts (above Z | candidates << 16) */
+    typename cub::BlockScan<int, THREADS>::TempStorage scan;
+};
+
+__device__ __forceinline__ unsigned long long composite(uint32_t key, int idx)
+{
+    return ((unsigned long long)key << 32) | (unsigned long long)(0xFFFFFFFFu - (uint32_t)idx);
+}
+
+/* One round's bin map: value bins (layout_bin<GVR_BINS>) while A, Z are key-aligned, else (ck - A) >> sh. */
+struct BinMap {
+    bool value;
+    Layout lay;
+    unsigned long long A;
+    int sh;
+};
+
+__device__ __forceinline__ bool value_layout_ok(float v0, float inv_w)
+{
+    return isfinite(v0) && isfinite(inv_w) && inv_w > 0.f && isfinite(v0 + (float)(GVR_BINS - 2) * __frcp_rn(inv_w));
+}
+
+__device__ __forceinline__ BinMap shift_map(unsigned long long A, unsigned long long Z)
+{
+    BinMap m;
+    m.value = false;
+    m.A = A;
+    const unsigned long long width = Z - A;
+    m.sh = width >= (unsigned long long)GVR_BINS ? 64 - __clzll((long long)width) - 8 : 0;
+    return m;
+}
+
+__device__ __forceinline__ BinMap value_map(float v0, float inv_w)
+{
+    BinMap m;
+    m.value = true;
+    m.lay.key_mode = false;
+    m.lay.v0 = v0;
+    m.lay.inv_w = inv_w;
+    m.lay.a = 0;
+    m.lay.kscale = 0.0;
+    m.A = 0;
+    m.sh = 0;
+    return m;
+}
+
+/* output class of an element: 0 below A, 1 candidate ([A, Z]), 2 above Z; AL: A and Z key-aligned
+ * (32-bit key compares; key 0, past the row, is below any A) */
+template <bool AL>
+__device__ __forceinline__ int out_class(uint32_t key, int idx, uint32_t ka, uint32_t kz, unsigned long long A,
+                                         unsigned long long Z)
+{
+    if constexpr (AL) {
+        return key > kz ? 2 : key >= ka ? 1 : 0;
+    } else {
+        if (key == 0u)
+            return 0;
+        const unsigned long long ck = composite(key, idx);
+        return ck > Z ? 2 : ck >= A ? 1 : 0;
+    }
+}
+
+template <bool CLUSTER, int VEC, bool STREAM>
+__global__ void __launch_bounds__(THREADS, 1)
+    gvr_topk_gvr_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
+                        const int *__restrict__ prev, long long prev_stride, int Kp, int k, int *__restrict__ out,
+                        long long out_stride, int C, int nch)
+{
+    pdl_enter();
+    __shared__ GvrShared<STREAM> s;
+    using Cnt = BinCounts<STREAM>;
+    constexpr int HW = Cnt::W;
+    const int row = blockIdx.x / C;
+    const int t = (int)threadIdx.x, lane = t & 31, warp = t >> 5;
+    int rank = 0;
+    if constexpr (CLUSTER)
+        rank = (int)cg::this_cluster().block_rank();
+    const int L = row_length(N, lengths, row), kk = k < L ? k : L;
+    int *orow = out + (long long)row * out_stride;
+    if (rank == 0)
+        pad_tail(orow, kk, k);
+    if (kk == 0)
+        return; /* uniform over the cluster */
+    const float *xr = scores + (long long)row * row_stride;
+    constexpr int P = RowTile<VEC>::P;
+    const int S = nch * P; /* positions per CTA: [rank * S, rank * S + S), aligned coordinates */
+    const int seg = rank * S, shift = row_shift(xr);
+    /* chunks of this CTA that hold row elements (uniform in the CTA) */
+    const int my_nch = L + shift > seg ? min(nch, (L + shift - seg + P - 1) / P) : 0;
+    PROF_RESET();
+    PROF(0);
+
+    if constexpr (CLUSTER) {
+        if (t == 0) {
+#pragma unroll
+            for (int i = 0; i < 3; i++)
+                mbar_init(&s.mb[i], 1);
+            fence_mbar_init();
+        }
+        /* the inits are visible to the peers after the matching wait (before the first push) */
+        cluster_arrive_relaxed();
+    }
+
+    /* loads: prediction indices, the row, the scores at the predicted indices */
+    const bool search = kk < L && L > CAND_CAP;
+    int pidx[PRED_PER_THREAD];
+    const int kp = prev ? Kp : 0;
+    const int np = kp < PRED_STATS ? kp : PRED_STATS; /* entries read: prev[j * kp / np], j < np */
+    const int *pr = prev ? prev + (long long)row * prev_stride : nullptr;
+    int p0 = -1; /* the first predicted index: its score is the statistics' pivot */
+    if (search) {
+#pragma unroll
+        for (int i = 0; i < PRED_PER_THREAD; i++) {
+            const int j = t + i * THREADS;
+            pidx[i] = j < np ? __ldg(pr + (np == kp ? j : (int)(((long long)j * kp) / np))) : -1;
+        }
+        p0 = kp > 0 ? __ldg(pr) : -1;
+    }
+    /* the row (STREAM false: loaded once, held in registers); streamed: the first chunk's loads,
+     * in flight during the guess */
+    RowTile<VEC> tile;
+    if constexpr (!STREAM)
+        tile.load_raw(xr, L, rank);
+    else if (my_nch > 0)
+        tile.load_raw_at(xr, L, seg);
+    /* the strided sample (always: it also judges the prediction), independent of the gathers */
+    constexpr int SPT = (SAMPLE + THREADS - 1) / THREADS;
+    const int sm = L < SAMPLE ? L : SAMPLE;
+    float sval[SPT];
+    float pval[PRED_PER_THREAD];
+    float pivot = 0.f;
+    if (search) {
+#pragma unroll
+        for (int i = 0; i < SPT; i++) {
+            const int j = t + i * THREADS;
+            sval[i] = j < sm ? __ldg(xr + (int)(((long long)j * L) / sm)) : __int_as_float(0x7FC00000);
+        }
+#pragma unroll
+        for (int i = 0; i < PRED_PER_THREAD; i++)
+            pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? __ldg(xr + pidx[i]) : __int_as_float(0x7FC00000);
+        pivot = __ldg(xr + ((p0 >= 0 && p0 < L) ? p0 : 0));
+    }
+    if constexpr (!STREAM && !RAW_FIRST)
+        tile.convert(); /* while the gathers are in flight */
+    if (t < HW)
+        s.hist[t] = 0;
+    if (t < MAX_C) {
+        /* per-rank valid elements: everything is "in" before the first round */
+        const long long lo = (long long)t * S - shift, hi = lo + S; /* rank t's elements [lo, hi) */
+        const long long valid = (hi < L ? hi : L) - (lo > 0 ? lo : 0);
+        s.inb[t] = valid < 0 ? 0 : (int)valid;
+        s.above[t] = 0;
+    }
+    __syncthreads();
+    PROF(1);
+
+    /* interval state (uniform over the cluster) */
+    unsigned long long A = 1ull << 32, Z = ((unsigned long long)KEY_POS_INF << 32) | 0xFFFFFFFFull;
+    int above_total = 0, cnt_in = L;
+    if (kk == L) {
+        /* every element: all "above" a Z below every valid key */
+        Z = (1ull << 32) - 1;
+        above_total = L;
+        cnt_in = 0;
+        if (t < MAX_C)
+            s.above[t] = s.inb[t];
+    }
+
+    BinMap map = shift_map(A, Z);
+    int coll_bin = GVR_BINS; /* streamed: first-pass elements in bins >= coll_bin are collected (GVR_BINS: none) */
+    bool use_pred = false;
+    if (search) {
+        /* Phase 1 (guess): mean and spread of the predicted scores and of a strided sample, in one
+         * block reduction of (n, sum d, sum d^2) each, d = v - pivot (a value of the same row, so that
+         * E[d^2] - E[d]^2 does not cancel) */
+        float st[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        pivot = isfinite(pivot) ? pivot : 0.f;
+        if (kp >= 16) {
+#pragma unroll
+            for (int i = 0; i < PRED_PER_THREAD; i++)
+                if (isfinite(pval[i])) {
+                    const float d = pval[i] - pivot;
+                    st[0] += 1.f;
+                    st[1] += d;
+                    st[2] += d * d;
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < SPT; i++)
+            if (isfinite(sval[i])) {
+                const float d = sval[i] - pivot;
+                st[3] += 1.f;
+                st[4] += d;
+                st[5] += d * d;
+            }
+        block_sum(st, s);
+        /* (the guess only steers the search: fast approximate division is fine here, and it is
+         * the same in every CTA) */
+        const float ins = __frcp_rn(fmaxf(st[3], 1.f)), mds = st[4] * ins, mean_s = pivot + mds;
+        const float sd_s = sqrtf(fmaxf(st[5] * ins - mds * mds, 0.f));
+        const float frac = fminf(fmaxf(__fdividef(1.15f * (float)kk, (float)L), 1e-7f), 0.999999f);
+        float center = mean_s + sd_s * 1.41421356f * erfcinvf(2.f * frac); /* normal quantile of the sample */
+        float spread = SAMPLE_SPREAD * sd_s;
+        if (st[0] >= 16.f) {
+            const float inp = __frcp_rn(st[0]), mdp = st[1] * inp, mean_p = pivot + mdp;
+            const float sd_p = sqrtf(fmaxf(st[2] * inp - mdp * mdp, 0.f));
+            /* A useful prediction sits in the upper tail: its mean at least halfway from the sample's
+             * mean to the sample's threshold estimate. Then the previous Top-K straddles the current
+             * k-th value and its spread is the band; otherwise (a poor prediction, e.g. 2% overlap)
+             * the sample's guess is kept. */
+            if (mean_p >= 0.5f * (mean_s + center) && sd_p > 0.f) {
+                center = mean_p;
+                spread = PRED_SPREAD * sd_p;
+                use_pred = true;
+            }
+        }
+        const float inv_w = (float)(GVR_BINS - 2) * __frcp_rn(2.f * spread);
+        if (spread > 0.f && value_layout_ok(center - spread, inv_w)) {
+            map = value_map(center - spread, inv_w);
+            /* streamed: collect from the bin of center - sd/2 (prediction: the k-th value lies
+             * within ~0.1 sd of its center) or of the center (the sample's estimate runs low) */
+            coll_bin = 1 + (int)((float)(GVR_BINS - 2) * (use_pred ? (PRED_SPREAD - 0.5f) / (2.f * PRED_SPREAD) : 0.5f));
+        }
+    }
+    if constexpr (CLUSTER)
+        cluster_wait();
+    PROF(3);
+
+    /* One pass over this CTA's share of the row, f(tile) per chunk of P elements: the register-held
+     * tile, or (STREAM) the row re-read chunk by chunk, the next chunk's loads in flight while the
+     * current one is processed. */
+    /* streamed: the pairs collected in the first pass (dynamic shared memory), their count in this
+     * CTA, and whether every later pass reads them instead of the row (uniform over the cluster) */
+    extern __shared__ __align__(16) uint2 xbuf[];
+    constexpr int WSEG = GVR_COLLECT_CAP / WARPS; /* each warp collects into its own segment */
+    uint2 *wseg = xbuf + warp * WSEG;
+    int wcount = 0; /* pairs this warp found (uniform in the warp; > WSEG: overflowed) */
+    bool from_buf = false;
+    bool chunk0_loaded = STREAM; /* streamed: `tile` holds chunk 0's loads until the first pass */
+    /* register-held row: raw floats while every round and the output can work on values (value
+     * maps, key-aligned bounds above NaN), stored keys from the first that cannot (to_keys) */
+    bool tile_raw = !STREAM && RAW_FIRST;
+    auto to_keys = [&]() {
+        if constexpr (!STREAM)
+            if (tile_raw) {
+                tile.convert();
+                tile_raw = false;
+            }
+    };
+    /* streamed, from the row: f(chunk) for each chunk, raw floats (RAW) or stored keys */
+    auto chunks = [&](auto raw_c, auto &&f) {
+        RowTile<VEC> nxt = tile;
+        if (!chunk0_loaded && my_nch > 0)
+            nxt.load_raw_at(xr, L, seg);
+        chunk0_loaded = false;
+        for (int c = 0; c < my_nch; c++) {
+            RowTile<VEC> cur = nxt;
+            if (c + 1 < my_nch)
+                nxt.load_raw_at(xr, L, seg + (c + 1) * P);
+            if constexpr (!decltype(raw_c)::value)
+                cur.convert();
+            f(cur);
+        }
+    };
+    auto sweep = [&](auto &&f) {
+        if constexpr (!STREAM) {
+            f(tile);
+        } else if (from_buf) {
+            for (int q0 = 0; q0 < WSEG; q0 += 128 * VEC) { /* uniform trip count (f may scan) */
+                PairTile<VEC> bt;
+                bt.load(wseg, wcount, q0);
+                f(bt);
+            }
+        } else {
+            chunks(std::false_type{}, f);
+        }
+    };
+
+    /* rounds */
+    int par = 0, value_rounds = 0;
+    uint32_t phases = 0;
+    while (cnt_in > CAND_CAP) {
+        const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
+        int top = 0; /* this thread's elements in the top bin (above the band: counted in a register) */
+        /* bin 0 (below the band: most elements) follows from the totals; the two maps get their own
+         * loops so that the hot one carries no per-element branch on the map kind */
+        const bool collecting = STREAM && par == 0 && value_rounds == 0 && !from_buf && map.value && coll_bin < GVR_BINS;
+        if (collecting) {
+            /* first streamed pass: count, and collect the elements of bins >= coll_bin into this
+             * warp's segment at ballot offsets (deterministic, no block barrier); a warp whose
+             * segment overflows raises this CTA's flag in histogram bin 0 (unused: it follows from
+             * the totals), so the exchange tells every CTA whether any rank overflowed */
+            /* on the raw floats: the first round's interval holds every valid element, value_bin
+             * of a stored key is value_bin_f of its float, and the NaN loaded past the row's end
+             * falls in bin 0 with the row's NaNs; only collected elements become stored keys */
+            const float v0 = map.lay.v0, iw = map.lay.inv_w;
+            const unsigned lt = (1u << lane) - 1u;
+            if constexpr (STREAM)
+                chunks(std::true_type{}, [&](const RowTile<VEC> &tl) {
+#pragma unroll
+                    for (int j = 0; j < VEC; j++)
+#pragma unroll
+                        for (int l = 0; l < 4; l++) {
+                            const float v = __uint_as_float(tl.key[4 * j + l]);
+                            const int b = value_bin_f<GVR_BINS>(v0, iw, v);
+                            top += b == GVR_BINS - 1;
+                            if (b && b < GVR_BINS - 1)
+                                Cnt::add(s.hist, b);
+                            const bool c = b >= coll_bin;
+                            const unsigned m = __ballot_sync(0xFFFFFFFFu, c);
+                            const int pos = wcount + __popc(m & lt);
+                            if (c && pos < WSEG)
+                                wseg[pos] = make_uint2(stored_key(v), (uint32_t)tl.index(j, l));
+                            wcount += __popc(m);
+                        }
+                });
+            if (lane == 0 && wcount > WSEG)
+                atomicOr(&s.hist[0], 1u);
+        } else if (!STREAM && tile_raw && map.value && kz >= 2u) {
+            /* the register-held row on its raw floats: [A, Z] as values (key order is value order
+             * with -0 == +0; the NaNs, and the NaN fill past the row's end, fail both compares, and
+             * they would land in the uncounted bin 0 of any value map anyway) */
+            const float v0 = map.lay.v0, iw = map.lay.inv_w;
+            const float va = ka >= 2u ? key_value(ka) : -INFINITY, vz = key_value(kz);
+#pragma unroll
+            for (int i = 0; i < 4 * VEC; i++) {
+                const float v = __uint_as_float(tile.key[i]);
+                const int b = (v >= va && v <= vz) ? value_bin_f<GVR_BINS>(v0, iw, v) : 0;
+                top += b == GVR_BINS - 1;
+                if (b && b < GVR_BINS - 1)
+                    Cnt::add(s.hist, b);
+            }
+        } else if (map.value) {
+            to_keys();
+            const float v0 = map.lay.v0, iw = map.lay.inv_w; /* A, Z key-aligned: 32-bit keys only */
+            sweep([&](const auto &tl) {
+#pragma unroll
+                for (int i = 0; i < 4 * VEC; i++) {
+                    const uint32_t key = tl.key[i];
+                    const int b = (key >= ka && key <= kz) ? value_bin<GVR_BINS>(v0, iw, key) : 0;
+                    top += b == GVR_BINS - 1;
+                    if (b && b < GVR_BINS - 1)
+                        Cnt::add(s.hist, b);
+                }
+            });
+        } else {
+            to_keys();
+            sweep([&](const auto &tl) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++)
+#pragma unroll
+                    for (int l = 0; l < 4; l++) {
+                        const uint32_t key = tl.key[4 * j + l];
+                        const unsigned long long ck = composite(key, tl.index(j, l));
+                        const int b = (key != 0u && ck >= A && ck <= Z) ? (int)((ck - A) >> map.sh) : 0;
+                        top += b == GVR_BINS - 1;
+                        if (b && b < GVR_BINS - 1)
+                            Cnt::add(s.hist, b);
+                    }
+            });
+        }
+        top = __reduce_add_sync(0xFFFFFFFFu, top);
+        if (lane == 0 && top)
+            Cnt::add(s.hist, GVR_BINS - 1, top);
+        __syncthreads();
+        PROF(20);
+        if (t < HW)
+            s.recv[par][rank][t] = s.hist[t];
+        if constexpr (CLUSTER) {
+            uint64_t *const mbp = &s.mb[par];
+            const uint32_t mb = smem_u32(mbp);
+            if (t == 0)
+                mbar_expect_bytes(mbp, (uint32_t)((C - 1) * HW * 4));
+            constexpr int NC16 = HW / 4; /* 16-byte pieces per peer */
+            for (int i = t; i < (C - 1) * NC16; i += THREADS) {
+                const int chunk = i % NC16, peer = (rank + 1 + i / NC16) % C;
+                const uint4 v = reinterpret_cast<const uint4 *>(s.hist)[chunk];
+                st_async_v4(peer_u32(smem_u32(&s.recv[par][rank][chunk * 4]), peer), v, peer_u32(mb, peer));
+            }
+            mbar_wait(mbp, (phases >> par) & 1u);
+            phases ^= 1u << par;
+        }
+        __syncthreads();
+        PROF(21);
+        if (t < HW)
+            s.hist[t] = 0;
+        /* cluster-summed counts, suffix sums from the top bin down, the bin holding the kk-th */
+        const int b = GVR_BINS - 1 - t;
+        int cnt = 0;
+        if (b >= 1) {
+            /* a fixed trip count (C is a launch parameter): the loads issue back to back */
+#pragma unroll
+            for (int r = 0; r < (CLUSTER ? MAX_C : 1); r++)
+                cnt += r < C ? Cnt::get(s.recv[par][r], b) : 0;
+        }
+        int incl, total; /* total: elements in bins >= 1 */
+        cub::BlockScan<int, THREADS>(s.scan).InclusiveSum(cnt, incl, total);
+        if (b >= 1) {
+            const int Sb = above_total + incl;
+            if (Sb >= kk && Sb - cnt < kk) {
+                s.pick[0] = b;
+                s.pick[1] = Sb;
+                s.pick[2] = Sb - cnt;
+            }
+        }
+        __syncthreads();
+        const bool low = above_total + total < kk; /* the kk-th is in bin 0 */
+        const int bs = low ? 0 : s.pick[0];
+        const int Sb = low ? above_total + cnt_in : s.pick[1];
+        const int Sb1 = low ? above_total + total : s.pick[2];
+        PROF(22);
+        /* the chosen bin's key range in a value map: its two edges searched at once by warps 0 and
+         * 1 (each is a short chain of dependent probes), shared after the barrier below */
+        if (map.value && warp < 2) {
+            const uint32_t ka = (uint32_t)(A >> 32), kz1 = (uint32_t)(Z >> 32) + 1u;
+            const int eb = bs + warp; /* warp 0: the bin's first key; warp 1: the next bin's */
+            const uint32_t e = eb == 0 ? ka : eb == GVR_BINS ? kz1 : value_boundary<GVR_BINS>(map.lay, eb, ka, kz1);
+            if (lane == 0)
+                s.edge[warp] = e;
+        }
+        /* per rank: elements in bins above the chosen one (now above Z) and in it */
+        if (warp < C) {
+            int u = 0;
+#pragma unroll
+            for (int i = 0; i < GVR_BINS / 32; i++) {
+                const int bb = lane + 32 * i;
+                u += bb > bs ? Cnt::get(s.recv[par][warp], bb) : 0;
+            }
+            u = __reduce_add_sync(0xFFFFFFFFu, u);
+            if (lane == 0) {
+                s.above[warp] += u;
+                s.inb[warp] = bs ? Cnt::get(s.recv[par][warp], bs) : s.inb[warp] - u;
+            }
+        }
+        if (collecting) {
+            /* later passes read the pairs when no rank overflowed (the flags exchanged in bin 0)
+             * and the kk-th lies at or above the collection bin */
+            bool over = false;
+            for (int r = 0; r < C; r++)
+                over |= s.recv[par][r][0] != 0u;
+            from_buf = !over && bs >= coll_bin;
+        }
+        __syncthreads(); /* s.edge */
+        PROF(24);
+        /* the chosen bin's composite range, and the next round's map */
+        if (map.value) {
+            const uint32_t kb = s.edge[0], ke = s.edge[1];
+            PROFV(91, bs);
+            A = (unsigned long long)kb << 32;
+            Z = ((unsigned long long)ke << 32) - 1ull;
+            const float band = (float)(GVR_BINS - 2) / map.lay.inv_w;
+            float v0 = 0.f, iw = 0.f;
+            bool ok = false;
+            if (++value_rounds < MAX_VALUE_ROUNDS && ke - kb > (uint32_t)GVR_BINS) {
+                if (bs == GVR_BINS - 1 && kb >= 2u && kb < KEY_POS_INF) {
+                    v0 = key_value(kb); /* above the band: a band 8x wider on top of it */
+                    iw = map.lay.inv_w * 0.125f;
+                    ok = true;
+                } else if (bs == 0 && ke >= 3u && ke <= KEY_POS_INF) {
+                    v0 = key_value(ke) - 8.f * band; /* below the band: 8x wider under it */
+                    iw = map.lay.inv_w * 0.125f;
+                    ok = true;
+                } else if (bs > 0 && bs < GVR_BINS - 1 && kb >= 2u && ke <= KEY_POS_INF) {
+                    v0 = key_value(kb); /* inside: even bins over the bin's values */
+                    iw = (float)(GVR_BINS - 2) / (key_value(ke) - v0);
+                    ok = true;
+                }
+            }
+            map = ok && value_layout_ok(v0, iw) ? value_map(v0, iw) : shift_map(A, Z);
+        } else {
+            const unsigned long long lo = A + ((unsigned long long)bs << map.sh);
+            const unsigned long long hi = lo + ((1ull << map.sh) - 1ull);
+            A = lo;
+            Z = (hi >= lo && hi < Z) ? hi : Z; /* hi < lo: wrapped past 2^64 */
+            map = shift_map(A, Z);
+        }
+        above_total = Sb1;
+        cnt_in = Sb - Sb1;
+        par ^= 1;
+        PROF(23);
+        PROFV(90, cnt_in);
+    }
+    __syncthreads(); /* s.above / s.inb final */
+
+    /* output: elements above Z at per-rank offsets; candidates ranked by rank 0 */
+    /* key-aligned bounds (every path but shift rounds): 32-bit compares only */
+    const bool aligned = (uint32_t)A == 0u && (uint32_t)Z == 0xFFFFFFFFu;
+    const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
+    /* this CTA's first output slot and candidate slot: the lower ranks' counts (lane r reads rank r) */
+    int pos_above = lane < rank ? s.above[lane] : 0, pos_cand = lane < rank ? s.inb[lane] : 0;
+    pos_above = (int)__reduce_add_sync(0xFFFFFFFFu, (unsigned)pos_above);
+    pos_cand = (int)__reduce_add_sync(0xFFFFFFFFu, (unsigned)pos_cand);
+    const uint32_t cmb = smem_u32(&s.mb[2]);
+    if (CLUSTER && cnt_in > 0 && rank == 0 && t == 0)
+        mbar_expect_bytes(&s.mb[2], (uint32_t)((cnt_in - s.inb[0]) * 8));
+    /* One loop per bound kind, without a per-element branch on it: raw floats against value bounds
+     * (KIND 0), keys against key-aligned bounds (1), composite keys (2). Per chunk, each warp's
+     * elements above Z and candidates get consecutive slots in (warp, element, lane) order: a
+     * warp sum and a scan of the warp totals give the warp's first slots, a ballot per element
+     * the lanes' (coalesced writes; deterministic). */
+    const unsigned lt = (1u << lane) - 1u;
+    auto output_pass = [&](auto kind_c) {
+        constexpr int KIND = decltype(kind_c)::value;
+        const float va = KIND == 0 ? key_value(ka) : 0.f, vz = KIND == 0 ? key_value(kz) : 0.f;
+        auto cls = [&](const auto &tl, int j, int l) {
+            if constexpr (KIND == 0) {
+                const float v = __uint_as_float(tl.key[4 * j + l]);
+                return v > vz ? 2 : v >= va ? 1 : 0;
+            } else {
+                return out_class<KIND == 1>(tl.key[4 * j + l], tl.index(j, l), ka, kz, A, Z);
+            }
+        };
+        sweep([&](const auto &tl) {
+            int n_above = 0, n_cand = 0;
+#pragma unroll
+            for (int j = 0; j < VEC; j++)
+#pragma unroll
+                for (int l = 0; l < 4; l++) {
+                    const int c = cls(tl, j, l);
+                    n_above += c == 2;
+                    n_cand += c == 1;
+                }
+            /* per chunk: at most P <= 32768 above and CAND_CAP candidates, packed in one word */
+            const int wsum = (int)__reduce_add_sync(0xFFFFFFFFu, (unsigned)(n_above | (n_cand << 16)));
+            if (lane == 0)
+                s.wtot[warp] = wsum;
+            __syncthreads();
+            const int before = (int)__reduce_add_sync(0xFFFFFFFFu, lane < warp ? (unsigned)s.wtot[lane] : 0u);
+            const int tot = (int)__reduce_add_sync(0xFFFFFFFFu, lane < WARPS ? (unsigned)s.wtot[lane] : 0u);
+            PROF(30);
+            if (wsum) { /* warp-uniform */
+                int pa = pos_above + (before & 0xFFFF), pc = pos_cand + (before >> 16);
+#pragma unroll
+                for (int j = 0; j < VEC; j++)
+#pragma unroll
+                    for (int l = 0; l < 4; l++) {
+                        const int c = cls(tl, j, l);
+                        const unsigned ma = __ballot_sync(0xFFFFFFFFu, c == 2), mc = __ballot_sync(0xFFFFFFFFu, c == 1);
+                        if (c == 2) {
+                            orow[pa + __popc(ma & lt)] = tl.index(j, l);
+                        } else if (c == 1) {
+                            uint32_t key;
+                            if constexpr (KIND == 0)
+                                key = stored_key(__uint_as_float(tl.key[4 * j + l]));
+                            else
+                                key = tl.key[4 * j + l];
+                            const uint2 v = make_uint2(key, (uint32_t)tl.index(j, l));
+                            const int q = pc + __popc(mc & lt);
+                            if (rank == 0)
+                                s.cand[q] = v;
+                            else
+                                st_async_v2(peer_u32(smem_u32(&s.cand[q]), 0), v, peer_u32(cmb, 0));
+                        }
+                        pa += __popc(ma);
+                        pc += __popc(mc);
+                    }
+            }
+            pos_above += tot & 0xFFFF;
+            pos_cand += tot >> 16;
+            if constexpr (STREAM)
+                __syncthreads(); /* s.wtot is rewritten for the next chunk */
+        });
+    };
+    if (!aligned) {
+        to_keys();
+        output_pass(std::integral_constant<int, 2>{});
+    } else if (!STREAM && tile_raw && ka >= 2u && kz >= 2u) {
+        if constexpr (!STREAM)
+            output_pass(std::integral_constant<int, 0>{});
+    } else {
+        to_keys();
+        output_pass(std::integral_constant<int, 1>{});
+    }
+    if (rank == 0 && cnt_in > 0) {
+        __syncthreads();
+        if constexpr (CLUSTER)
+            mbar_wait(&s.mb[2], 0u);
+        PROF(31);
+        const int need = kk - above_total;
+        /* exact rank of each candidate: a group of G lanes per candidate (G = 2..32, the most that
+         * fit the block), each comparing it with every G-th other, then a shuffle sum */
+        int lg = 1; /* log2 G */
+        while (lg < 5 && (cnt_in << (lg + 1)) <= THREADS)
+            lg++;
+        const int c = t >> lg, h = t & ((1 << lg) - 1);
+        const bool act = c < cnt_in;
+        int better = 0;
+        uint2 me = make_uint2(0u, 0u);
+        if (act) {
+            me = s.cand[c];
+            const unsigned long long mc = composite(me.x, (int)me.y);
+            for (int i = h; i < cnt_in; i += 1 << lg) {
+                const uint2 o = s.cand[i];
+                better += composite(o.x, (int)o.y) > mc;
+            }
+        }
+        for (int o = 1; o < (1 << lg); o <<= 1)
+            better += __shfl_xor_sync(0xFFFFFFFFu, better, o);
+        if (act && h == 0 && better < need)
+            orow[above_total + better] = (int)me.y;
+        PROF(32);
+    }
+}
+
+
+/* ---- launcher --------------------------------------------------------------------------------- */
+
+/* streamed: the collection buffer (dynamic shared memory) */
+template <bool STREAM>
+constexpr size_t GVR_DYN_SMEM = STREAM ? (size_t)GVR_COLLECT_CAP * sizeof(uint2) : 0;
+
+/* set the kernel's function attributes on device dev (once per device) */
+template <bool CLUSTER, int VEC, bool STREAM>
+cudaError_t gvr_configure(int dev)
+{
+    static DeviceCache<1> configured;
+    if (configured.get(dev, 0))
+        return cudaSuccess;
+    auto fn = gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>;
+    if (CLUSTER) {
+        const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        if (e != cudaSuccess)
+            return e;
+    }
+    if (GVR_DYN_SMEM<STREAM> > 0) {
+        const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GVR_DYN_SMEM<STREAM>);
+        if (e != cudaSuccess)
+            return e;
+    }
+    configured.put(dev, 0, 1);
+    return cudaSuccess;
+}
+
+template <bool CLUSTER, int VEC, bool STREAM>
+int GvrInstance<CLUSTER, VEC, STREAM>::resident_rows(int dev, int C)
+{
+    static DeviceCache<MAX_C + 1> cache;
+    int n = cache.get(dev, C);
+    if (n > 0)
+        return n;
+    auto fn = gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>;
+    if (gvr_configure<CLUSTER, VEC, STREAM>(dev) == cudaSuccess) {
+        if (CLUSTER) {
+            LaunchConfig lc((unsigned)C, THREADS, C, GVR_DYN_SMEM<STREAM>, nullptr, false);
+            if (cudaOccupancyMaxActiveClusters(&n, fn, &lc.cfg) != cudaSuccess)
+                n = 0;
+        } else {
+            int per_sm = 0, sms = 0;
+            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, THREADS, GVR_DYN_SMEM<STREAM>) == cudaSuccess &&
+                sm_count(dev, &sms) == cudaSuccess)
+                n = per_sm * sms;
+        }
+    }
+    cudaGetLastError(); /* a failed query is not the caller's error */
+    if (n <= 0)
+        return 1; /* unknown: one row per wave, the conservative answer */
+    cache.put(dev, C, n);
+    return n;
+}
+
+template <bool CLUSTER, int VEC, bool STREAM>
+cudaError_t GvrInstance<CLUSTER, VEC, STREAM>::launch(const gvr_topk_params *p, int dev, int C, int nch, cudaStream_t stream)
+{
+    const cudaError_t e = gvr_configure<CLUSTER, VEC, STREAM>(dev);
+    if (e != cudaSuccess)
+        return e;
+    LaunchConfig lc((unsigned)(C * p->B), THREADS, C, GVR_DYN_SMEM<STREAM>, stream);
+    return cudaLaunchKernelEx(&lc.cfg, gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>, p->scores, (long long)p->row_stride,
+                              p->N, p->lengths, p->prev, (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, p->out,
+                              (long long)p->out_stride, C, nch);
+}
+
+#ifdef GVR_PROFILE
+template <bool CLUSTER, int VEC, bool STREAM>
+cudaError_t GvrInstance<CLUSTER, VEC, STREAM>::profile_read(long long *host)
+{
+    return ::profile_read(host);
+}
+#endif
+
+} // namespace gvr::topk

@@ -1,0 +1,51 @@
+/* sort.cuh: the sort kernel of sorted=1, gvr_topk_sort_kernel<ITEMS>: one CTA per row sorts the row's
+ * kk selected indices (written by the radix or GVR kernel before it on the stream) by (value
+ * descending, index ascending), a CUB block radix sort of ITEMS (key, index) items per thread.
+ * Included by sort.cu only. */
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cub/block/block_radix_sort.cuh>
+
+#include "common/cluster.cuh"
+#include "topk/common.cuh"
+
+namespace gvr::topk {
+
+template <int ITEMS>
+__global__ void __launch_bounds__(THREADS, 1)
+    gvr_topk_sort_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
+                         int k, int *__restrict__ out, long long out_stride)
+{
+    pdl_enter();
+    using Sort = cub::BlockRadixSort<unsigned long long, THREADS, ITEMS>;
+    __shared__ typename Sort::TempStorage tmp;
+    const int row = blockIdx.x;
+    const int L = row_length(N, lengths, row), kk = k < L ? k : L;
+    if (kk <= 1)
+        return;
+    const float *xr = scores + (long long)row * row_stride;
+    int *orow = out + (long long)row * out_stride;
+    unsigned long long item[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; i++) {
+        const int pos = threadIdx.x * ITEMS + i;
+        if (pos < kk) {
+            const int idx = orow[pos];
+            const uint32_t key = stored_key(__ldg(xr + idx));
+            item[i] = ((unsigned long long)(~key) << 32) | (unsigned)idx;
+        } else {
+            item[i] = ~0ull;
+        }
+    }
+    Sort(tmp).Sort(item);
+#pragma unroll
+    for (int i = 0; i < ITEMS; i++) {
+        const int pos = threadIdx.x * ITEMS + i;
+        if (pos < kk)
+            orow[pos] = (int)(item[i] & 0xFFFFFFFFu);
+    }
+}
+
+} // namespace gvr::topk
