@@ -12,7 +12,7 @@
 
 enum { SCORES, PREV, LENGTHS, OUT, NARGS };
 
-/* argument i's nosync bit is bit i (gvr/_ops.py sets them in this order) */
+/* argument i's nosync bit is bit i (gvr/_interop.py sets them in this order) */
 static const gvr_arg_spec topk_args[NARGS] = {
     [SCORES] = {"scores", GVR_DT(GVR_DTYPE_F32), "B,N|N;B=1", GVR_HOST | GVR_DEVICE, GVR_UNIT_LAST, NULL, NULL},
     [PREV] = {"prev_topk", GVR_DT(GVR_DTYPE_I32), "B,Kp|Kp", GVR_HOST | GVR_DEVICE, GVR_OPTIONAL | GVR_UNIT_LAST,
