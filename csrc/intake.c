@@ -253,6 +253,21 @@ static int check_dtype(const gvr_spec *spec, const gvr_arg_spec *a, gvr_intake *
     return -1;
 }
 
+/* A named dimension of value `value` met in argument `source`: bound if new, else compared; a
+ * mismatch sets *bad and appends "D = 128 (from 'q')" to *why. -1 only when binding fails. */
+static int tie_dim(gvr_intake *in, const char *name, int64_t value, const char *source, sbuf *why, int *bad)
+{
+    gvr_dim *d = find_dim(in, name);
+    if (!d)
+        return gvr_intake_bind(in, name, value, source) < 0 ? -1 : 0;
+    if (d->value != value) {
+        if (why)
+            put(why, "%s%s = %lld (from '%s')", *bad ? ", " : "", d->name, (long long)d->value, d->source);
+        *bad = 1;
+    }
+    return 0;
+}
+
 /* Values a form requires of v, binding its unbound names; 0 = fits. On a mismatch *why lists the
  * entries that did not match ("D = 128 (from 'q')"). */
 static int fit_form(const gvr_arg_spec *a, const form_t *f, gvr_intake *in, const gvr_view *v, sbuf *why,
@@ -266,26 +281,12 @@ static int fit_form(const gvr_arg_spec *a, const form_t *f, gvr_intake *in, cons
                 bad = 1;
             continue;
         }
-        gvr_dim *d = find_dim(in, f->name[i]);
-        if (!d) {
-            if (gvr_intake_bind(in, f->name[i], v->shape[i], a->name) < 0)
-                return -1;
-        } else if (d->value != v->shape[i]) {
-            if (why)
-                put(why, "%s%s = %lld (from '%s')", bad ? ", " : "", d->name, (long long)d->value, d->source);
-            bad = 1;
-        }
+        if (tie_dim(in, f->name[i], v->shape[i], a->name, why, &bad) < 0)
+            return -1;
     }
     for (int i = 0; i < f->nimp; i++) {
-        gvr_dim *d = find_dim(in, f->imp_name[i]);
-        if (!d) {
-            if (gvr_intake_bind(in, f->imp_name[i], f->imp_val[i], a->name) < 0)
-                return -1;
-        } else if (d->value != f->imp_val[i]) {
-            if (why)
-                put(why, "%s%s = %lld (from '%s')", bad ? ", " : "", d->name, (long long)d->value, d->source);
-            bad = 1;
-        }
+        if (tie_dim(in, f->imp_name[i], f->imp_val[i], a->name, why, &bad) < 0)
+            return -1;
     }
     if (bad || !bind)
         in->ndims = first_new; /* forget what this form bound */

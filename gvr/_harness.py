@@ -24,6 +24,7 @@ path from a checkout (benchmarks/_harness.py does) so that they can time an olde
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import hashlib
@@ -76,6 +77,18 @@ def floor_us(nbytes, bandwidth):
 # --------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """The garbage collector off for a timed loop (a collection inside it is not the call's time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def time_cpu(fn, *, budget_s=0.1, min_runs=10, max_runs=10000, warmup=2) -> dict:
     """time.perf_counter around each call of ``fn`` (after ``warmup`` calls), as many calls as fit
     in ``budget_s`` within [min_runs, max_runs]; the garbage collector is off while timing."""
@@ -87,16 +100,11 @@ def time_cpu(fn, *, budget_s=0.1, min_runs=10, max_runs=10000, warmup=2) -> dict
     runs = int(min(max_runs, max(min_runs, budget_s / est)))
     pc = time.perf_counter
     samples = np.empty(runs)
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
+    with _no_gc():
         for i in range(runs):
             t = pc()
             fn()
             samples[i] = pc() - t
-    finally:
-        if gc_was:
-            gc.enable()
     return summarize(samples)
 
 
@@ -118,9 +126,7 @@ def time_cpu_rotating(calls, touches, *, budget_s=0.1, min_runs=30, max_runs=200
     per_input = max(1, math.ceil(runs / len(calls)))
     L = len(calls)
     pc = time.perf_counter
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
+    with _no_gc():
         fresh = np.empty(runs)
         for i in range(runs):
             c = calls[i % L]
@@ -142,9 +148,6 @@ def time_cpu_rotating(calls, touches, *, budget_s=0.1, min_runs=30, max_runs=200
             t = pc()
             c()
             cold[i] = pc() - t
-    finally:
-        if gc_was:
-            gc.enable()
     out = summarize(fresh)
     out["repeat"] = summarize(rep)
     out["cold"] = summarize(cold)
