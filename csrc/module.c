@@ -90,6 +90,14 @@ static PyObject *py_build_info(PyObject *self, PyObject *noargs)
 
 static PyMethodDef methods[] = {
     {"topk_decode", (PyCFunction)(void (*)(void))gvr_py_topk_decode, METH_VARARGS | METH_KEYWORDS, gvr_topk_doc},
+    {"sparse_attention", (PyCFunction)(void (*)(void))gvr_py_sparse_attention, METH_VARARGS | METH_KEYWORDS,
+     gvr_attention_doc},
+    {"attention_workspace_size", gvr_py_attention_workspace_size, METH_VARARGS,
+     "Bytes of CUDA workspace sparse_attention needs for these shapes on this device."},
+    {"merge_states", (PyCFunction)(void (*)(void))gvr_py_merge_states, METH_VARARGS | METH_KEYWORDS, gvr_merge_doc},
+    {"prr_missed", (PyCFunction)(void (*)(void))gvr_py_prr_missed, METH_VARARGS | METH_KEYWORDS, gvr_missed_doc},
+    {"prr_finalize", (PyCFunction)(void (*)(void))gvr_py_prr_finalize, METH_VARARGS | METH_KEYWORDS,
+     gvr_finalize_doc},
     {"cpu_stats", py_cpu_stats, METH_NOARGS, "Search statistics of the calling thread's last CPU row."},
     {"set_num_threads", py_set_num_threads, METH_O,
      "Threads for CPU rows: n, or 0 for the default (up to the online CPUs, helpers only for idle ones)."},

@@ -11,4 +11,12 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds);
 extern const char gvr_topk_doc[];
 extern const gvr_spec gvr_topk_spec;
 
+PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *gvr_py_attention_workspace_size(PyObject *self, PyObject *args);
+PyObject *gvr_py_merge_states(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *gvr_py_prr_missed(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *gvr_py_prr_finalize(PyObject *self, PyObject *args, PyObject *kwds);
+extern const char gvr_attention_doc[], gvr_merge_doc[], gvr_missed_doc[], gvr_finalize_doc[];
+extern const gvr_spec gvr_attention_spec;
+
 #endif

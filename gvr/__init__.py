@@ -1,6 +1,9 @@
 """gvr: exact, fast decode-step operators for sparse-attention LLMs, with a C/CUDA core.
 
 gvr.topk_decode  exact Top-K of indexer scores, warm-started by the previous step's Top-K (GVR)
+gvr.sparse_attention  attention over selected blocks/tokens of a paged KV cache -> state (out, lse)
+gvr.merge_states      exact merge of attention states (and merge_states_in_place)
+gvr.prr          PRR: repair (fold missed blocks into a state in place), missed, finalize (exact mode)
 gvr.TopKDecoder  per-layer decode-loop state (previous Top-K buffers), CUDA-graph friendly
 gvr.data         deterministic workload generators (decode traces, i.i.d., adversarial rows)
 """
@@ -12,11 +15,13 @@ except ImportError as e:  # pragma: no cover - depends on how gvr is run
         "directory (to use the installed package) or build in place: python setup.py build_ext --inplace"
     ) from e
 from .topk import topk_decode
+from .attention import sparse_attention, merge_states, merge_states_in_place
+from . import prr
 from .decoder import TopKDecoder
 from . import data
 
 __version__ = "0.1.0"
-__all__ = ["topk_decode", "TopKDecoder", "cuda_available", "build_info", "set_num_threads", "get_num_threads"]
+__all__ = ["topk_decode", "sparse_attention", "merge_states", "merge_states_in_place", "prr", "TopKDecoder", "cuda_available", "build_info", "set_num_threads", "get_num_threads"]
 
 
 def cuda_available() -> bool:

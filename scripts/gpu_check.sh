@@ -6,7 +6,9 @@
 #   compare  before/after quick table: this build, then an older one carried in .old/ (its source tree in
 #            .old/src, its libgvr_cuda.so built for the chip at .old/libgvr_cuda_old.so), then this one
 #            again (run-to-run spread); JSON per run under $OUT
-#   bench    the full benchmark (benchmarks/bench_topk.py --device cuda) -> $OUT/bench_cuda.json, .md
+#   attn     the attention operators only: their GPU tests, sanitizer on their cases, their benchmark
+#   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
+#            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
 # The build runs once per machine and source state (a stamp in /tmp); GVR_CUDA_ARCHS defaults to 90a.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gvr_out}; mkdir -p "$OUT"
@@ -46,6 +48,20 @@ check() {
   (cd /tmp && timeout 120 $PY -m gvr) 2>&1 | tee "$OUT/demo.log" | tail -6
 }
 
+attn() {  # the attention operators only: their GPU tests, sanitizer on their cases, their benchmark
+  say "GPU tests (attention)"
+  (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs -x test_attention_gpu.py test_attention_bad_input.py) 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -15
+  say "compute-sanitizer (attention)"
+  for tool in memcheck racecheck; do
+    (cd /tmp && timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only attention) > "$OUT/sanitizer_attention_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_attention_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_attention_$tool.log"
+  done
+  say "attention benchmark"
+  (cd /tmp && timeout 300 $PY "$ROOT/benchmarks/bench_attention.py" --json "$OUT/results_attention_cuda.json" \
+    --append-results "$OUT/RESULTS_attention_cuda.md") > "$OUT/bench_attention.log" 2>&1
+  echo "bench_attention exit $?"; tail -75 "$OUT/bench_attention.log"
+}
+
 quick() {  # $1: label; PYTHONPATH selects the build
   (cd /tmp && timeout 200 $PY "$ROOT/scripts/quick_gpu_bench.py" --json "$OUT/qb_$1.json") 2>&1 | tee "$OUT/qb_$1.log" | tail -45
 }
@@ -67,6 +83,10 @@ bench() {
   (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_topk.py" --device cuda --out "$OUT/bench_cuda.json" \
     --append-results "$OUT/RESULTS_cuda.md" --pool 2 --reps 40 --cold-reps 30) > "$OUT/bench_cuda.log" 2>&1
   echo "bench exit $?"; tail -40 "$OUT/bench_cuda.log"
+  say "attention benchmark"
+  (cd /tmp && timeout 300 $PY "$ROOT/benchmarks/bench_attention.py" --json "$OUT/results_attention_cuda.json" \
+    --append-results "$OUT/RESULTS_attention_cuda.md") > "$OUT/bench_attention.log" 2>&1
+  echo "bench_attention exit $?"; tail -75 "$OUT/bench_attention.log"
 }
 
 build
@@ -75,6 +95,7 @@ for mode in "${@:-check}"; do
     check) check ;;
     compare) compare ;;
     bench) bench ;;
+    attn) attn ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

@@ -1,5 +1,6 @@
 """A small case of every CUDA kernel path (radix, GVR in registers, GVR streamed, sorted output, row
-offsets) for compute-sanitizer. Usage: compute-sanitizer --tool memcheck python scripts/sanitize_case.py"""
+offsets; then sparse attention in both addressing modes with partials, prr.repair, merge_states,
+prr.missed and prr.finalize at D = 64, 128, 256) for compute-sanitizer. Usage: compute-sanitizer --tool memcheck python scripts/sanitize_case.py"""
 import argparse
 
 import numpy as np
@@ -8,46 +9,99 @@ import torch
 import gvr
 from gvr import data
 
-argparse.ArgumentParser(description=__doc__).parse_args()  # no options: --help says what it does
+ap = argparse.ArgumentParser(description=__doc__)
+ap.add_argument("--only", choices=("topk", "attention"), help="run one operator's cases")
+only = ap.parse_args().only
 
 rng = np.random.default_rng(0)
-cases = []
-for N in (3000, 70001):  # 1-CTA rows, 16-CTA clusters
-    x = rng.standard_normal((2, N)).astype(np.float32)
-    x[1, ::3] = 0.25  # ties at the k-th value
-    cases.append(x)
-cases.append(np.stack([data.adversarial("nan_heavy", 5000, k=64), data.adversarial("all_equal", 5000, k=64)]))
-cases.append(np.stack([data.adversarial("all_equal", 20001, k=64), data.adversarial("nan_heavy", 20001, k=64)]))
-# streamed GVR kernel: one CTA per row (300 rows), and 3-CTA clusters re-reading 200K rows in chunks
-cases.append(rng.standard_normal((300, 3000)).astype(np.float32))
-cases.append(rng.standard_normal((40, 200001)).astype(np.float32))
-for x in cases:
-    xg = torch.from_numpy(x).cuda()
-    want = gvr.topk_decode(x, 64)
-    n = x.shape[1]
-    # full rows, a third, short rows (candidates only), rows of exactly k and fewer (every element)
-    all_lengths = ([n, n // 3], [200, 0], [64, 50])
-    for method in ("gvr", "radix"):
-        for prev in (None, torch.from_numpy(want).cuda()):
-            got = gvr.topk_decode(xg, 64, prev_topk=prev, method=method).cpu().numpy()
-            assert (np.sort(got, 1) == np.sort(want, 1)).all(), (x.shape, method)
-            for ln in all_lengths:
-                ln = np.resize(np.array(ln, dtype=np.int32), x.shape[0])  # one length per row
-                lengths = torch.from_numpy(ln).cuda()
-                got = gvr.topk_decode(xg, 64, prev_topk=prev, lengths=lengths, method=method, sorted=True).cpu().numpy()
-                exp = gvr.topk_decode(x, 64, lengths=ln, sorted=True)
-                assert (got == exp).all(), (x.shape, method, ln)
-# rows starting 1..3 floats past a 16-byte boundary (aligned-coordinate loads: the first and last
-# float4 of a row are partial), one CTA and a cluster per row, every method
-for N in (3001, 40003):
-    flat = rng.standard_normal(2 * (N + 1) + 3).astype(np.float32)
-    fg = torch.from_numpy(flat).cuda()
-    for s in (1, 2, 3):
-        view = fg.as_strided((2, N), (N + 1, 1), s)
-        x = view.cpu().numpy()
+if only != "attention":
+    cases = []
+    for N in (3000, 70001):  # 1-CTA rows, 16-CTA clusters
+        x = rng.standard_normal((2, N)).astype(np.float32)
+        x[1, ::3] = 0.25  # ties at the k-th value
+        cases.append(x)
+    cases.append(np.stack([data.adversarial("nan_heavy", 5000, k=64), data.adversarial("all_equal", 5000, k=64)]))
+    cases.append(np.stack([data.adversarial("all_equal", 20001, k=64), data.adversarial("nan_heavy", 20001, k=64)]))
+    # streamed GVR kernel: one CTA per row (300 rows), and 3-CTA clusters re-reading 200K rows in chunks
+    cases.append(rng.standard_normal((300, 3000)).astype(np.float32))
+    cases.append(rng.standard_normal((40, 200001)).astype(np.float32))
+    for x in cases:
+        xg = torch.from_numpy(x).cuda()
         want = gvr.topk_decode(x, 64)
-        for method in ("auto", "gvr", "radix"):
-            got = gvr.topk_decode(view, 64, method=method).cpu().numpy()
-            assert (np.sort(got, 1) == np.sort(want, 1)).all(), (N, s, method)
-torch.cuda.synchronize()
+        n = x.shape[1]
+        # full rows, a third, short rows (candidates only), rows of exactly k and fewer (every element)
+        all_lengths = ([n, n // 3], [200, 0], [64, 50])
+        for method in ("gvr", "radix"):
+            for prev in (None, torch.from_numpy(want).cuda()):
+                got = gvr.topk_decode(xg, 64, prev_topk=prev, method=method).cpu().numpy()
+                assert (np.sort(got, 1) == np.sort(want, 1)).all(), (x.shape, method)
+                for ln in all_lengths:
+                    ln = np.resize(np.array(ln, dtype=np.int32), x.shape[0])  # one length per row
+                    lengths = torch.from_numpy(ln).cuda()
+                    got = gvr.topk_decode(xg, 64, prev_topk=prev, lengths=lengths, method=method, sorted=True).cpu().numpy()
+                    exp = gvr.topk_decode(x, 64, lengths=ln, sorted=True)
+                    assert (got == exp).all(), (x.shape, method, ln)
+    # rows starting 1..3 floats past a 16-byte boundary (aligned-coordinate loads: the first and last
+    # float4 of a row are partial), one CTA and a cluster per row, every method
+    for N in (3001, 40003):
+        flat = rng.standard_normal(2 * (N + 1) + 3).astype(np.float32)
+        fg = torch.from_numpy(flat).cuda()
+        for s in (1, 2, 3):
+            view = fg.as_strided((2, N), (N + 1, 1), s)
+            x = view.cpu().numpy()
+            want = gvr.topk_decode(x, 64)
+            for method in ("auto", "gvr", "radix"):
+                got = gvr.topk_decode(view, 64, method=method).cpu().numpy()
+                assert (np.sort(got, 1) == np.sort(want, 1)).all(), (N, s, method)
+    torch.cuda.synchronize()
+    print("sanitize case: top-k ok")
+
+# ---- sparse attention, attention states, PRR repair ------------------------------------------------
+if only != "topk":
+    # small problems: block-table mode (G = 32 over P = 16 pages, a partial last block, -1 padding, entries
+    # and table pages out of range) and slot mode (entries past the cache), partials, repair (one empty
+    # selection), merge (in place, base 2), missed and finalize; each checked against the CPU path.
+    dev = "cuda"
+    for D, (P, G) in zip((64, 128, 256), ((16, 32), (64, 16), (1, 1))):
+        B, Hkv, Hq, n = 3, 2, 8, 12
+        cache = torch.randn(12, 2, P, Hkv, D, dtype=torch.bfloat16, device=dev)  # K and V views of one tensor
+        k, v = cache[:, 0], cache[:, 1]
+        q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device=dev)
+        max_pages = max(1, 96 // P)
+        bt = torch.randint(0, 12, (B, max_pages), dtype=torch.int32, device=dev)
+        bt[0, -1] = 12  # a page out of range (skipped)
+        lengths = torch.tensor([max_pages * P - 3, 1, max_pages * P], dtype=torch.int32, device=dev)
+        nblk = -(-max_pages * P // G)
+        idx = torch.randint(0, nblk, (B, Hkv, n), dtype=torch.int32, device=dev)
+        idx[:, :, ::5] = -1
+        idx[0, 0, 1] = nblk + 3
+        idx[1, 1, 2] = 2**31 - 1
+        for paged in (True, False):
+            if paged:
+                kw = dict(block_table=bt, lengths=lengths, block_size=G)
+                sel = idx
+            else:
+                kw = {}
+                sel = torch.randint(0, 12 * P + 5, (B, 1, n), dtype=torch.int32, device=dev)  # some past the cache
+            Hsel = sel.shape[1]
+            po = torch.empty(B, Hq, n, D, device=dev)
+            pl = torch.empty(B, Hq, n, device=dev)
+            out, lse = gvr.sparse_attention(q, k, v, sel, partials=(po, pl), out=torch.empty(B, Hq, D, device=dev), **kw)
+            cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+            ckw = {name: cpu(t) if isinstance(t, torch.Tensor) else t for name, t in kw.items()}
+            c_out, c_lse = gvr.sparse_attention(q.cpu(), k.cpu(), v.cpu(), sel.cpu(), out=torch.empty(B, Hq, D), **ckw)
+            assert torch.allclose(out.cpu(), c_out, atol=2e-2, rtol=2e-2), (D, paged)
+            assert torch.equal(lse.cpu() == float("-inf"), c_lse == float("-inf")), (D, paged)
+            assert torch.allclose(lse.cpu()[c_lse > float("-inf")], c_lse[c_lse > float("-inf")], atol=2e-2), (D, paged)
+            missed_sel = torch.flip(sel, dims=(2,)).contiguous()
+            miss = gvr.prr.missed(missed_sel, sel)
+            assert torch.equal(miss.cpu(), gvr.prr.missed(missed_sel.cpu(), sel.cpu())), (D, paged)
+            f_out, f_lse = gvr.prr.finalize((po, pl), sel, missed_sel)
+            gvr.prr.repair(f_out, f_lse, q, k, v, miss, **kw)
+            gvr.prr.repair(f_out, f_lse, q, k, v, torch.full((B, Hsel, 4), -1, dtype=torch.int32, device=dev), **kw)
+            m_out, m_lse = gvr.merge_states(out, lse, f_out, f_lse)
+            gvr.merge_states_in_place(m_out, m_lse, out, lse, lse_base="2")
+            o0, l0 = out[0], lse[0]
+            gvr.merge_states(o0, l0, f_out[0], f_lse[0], out=o0, lse=l0)  # [H, D], aliased
+    torch.cuda.synchronize()
 print("sanitize case ok")

@@ -1,0 +1,143 @@
+"""gvr.prr: PRR's exact incremental repair of attention states (paper 002, section 4.3).
+
+PRR attends the *predicted* KV blocks while block selection runs, then repairs the state with the
+blocks the selection chose that the prediction missed. Two modes:
+
+- **superset** (the paper's default): ``repair(out, lse, q, K, V, missed(selected, predicted))`` after
+  ``sparse_attention(q, K, V, predicted)`` gives attention over predicted ∪ selected.
+- **exact** (DSA semantics: attention over exactly the selected set): run the speculative attention
+  with ``partials=(part_out, part_lse)``, then ``finalize(partials, predicted, selected)`` keeps the
+  states of the predicted entries that were selected, and ``repair`` with ``missed(selected,
+  predicted)`` adds the rest: equal to ``sparse_attention(q, K, V, selected)`` (selected entries
+  distinct, as a Top-K gives them).
+
+States to be repaired are kept in float32 (``out`` float32), so repeated repairs round once, at the
+end. Every function runs on the CPU (C) for NumPy arrays / CPU tensors and on CUDA for device
+tensors, on the caller's stream, in one launch, graph-safe.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import _C
+from ._interop import compiling, define_op, framework, prepare
+from .attention import _ATT, _check_traced_stream, _new, _none, _shape
+from .attention import repair as _repair
+
+__all__ = ["repair", "missed", "finalize"]
+
+
+def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,
+           stream=None):
+    """Fold attention over ``indices`` into the state ``(out, lse)`` in place -> ``(out, lse)``.
+
+    out: float32 ``[B, Hq, D]``, lse: float32 ``[B, Hq]`` — a state from ``gvr.sparse_attention(...,
+    out=<float32>)``, a previous repair, ``finalize`` or ``merge_states`` (natural-log lse). The
+    other arguments are ``gvr.sparse_attention``'s. Afterwards ``(out, lse)`` is the state over the
+    union (as multisets) of what it held and the entries of ``indices``; entries that are -1 or
+    masked cost nothing, and an all-empty ``indices`` leaves the state bit for bit as it was. One
+    kernel on CUDA (attention and merge fused), work proportional to the valid entries.
+    """
+    if compiling():
+        _check_traced_stream(stream, "prr.repair")
+        _repair_op.call(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale)
+        return out, lse
+    return _repair(out, lse, q, k_cache, v_cache, indices, lengths=lengths, block_table=block_table,
+                   block_size=block_size, scale=scale, stream=stream)
+
+
+def _run_missed(selected, predicted, out, stream):
+    fw = framework(selected)
+    if out is None:
+        out = _new(selected, fw, _shape(selected), "int32")
+    (s, p, o), stream, nosync = prepare(fw, selected, (selected, predicted, out), stream)
+    r = _C.prr_missed(s, p, o, stream, nosync)
+    return r if out is None else out
+
+
+def missed(selected, predicted, *, out=None, stream=None):
+    """The entries of ``selected`` that ``predicted`` lacks -> int32 ``[B, H, n_sel]``.
+
+    selected: int32 ``[B, H, n_sel]`` (e.g. this step's Top-K blocks, per KV head or shared, H = 1);
+    predicted: int32 ``[B, Hp, n_pred]`` with Hp = 1 (shared by every head) or H. Row (b, h) of the
+    result lists the entries x >= 0 of ``selected[b, h]`` absent from ``predicted[b, h]``, in
+    ``selected``'s order, then -1: exactly what ``repair`` needs after a speculative pass over
+    ``predicted``. On the device, no host round trip.
+    """
+    if compiling():
+        _check_traced_stream(stream, "prr.missed")
+        return _missed_op.call(selected, predicted)
+    return _run_missed(selected, predicted, out, stream)
+
+
+def _run_finalize(partials, predicted, selected, out, lse, stream):
+    if not isinstance(partials, (tuple, list)) or len(partials) != 2:
+        raise TypeError(f"'partials' must be a pair (part_out, part_lse), got {type(partials).__name__}")
+    po, pl = partials
+    fw = framework(po)
+    ps = _shape(po)
+    if ps is not None and len(ps) == 4:
+        if out is None:
+            out = _new(po, fw, (ps[0], ps[1], ps[3]), "float32")
+        if lse is None:
+            lse = _new(po, fw, ps[:2], "float32")
+    (a, b, c, d, o, lo), stream, nosync = prepare(fw, po, (po, pl, predicted, selected, out, lse), stream)
+    _C.prr_finalize(a, b, c, d, o, lo, stream, nosync)
+    return out, lse
+
+
+def finalize(partials, predicted, selected, *, out=None, lse=None, stream=None):
+    """Exact mode: the state over the predicted entries that were selected -> ``(out, lse)``.
+
+    partials: ``(part_out [B, Hq, n_pred, D], part_lse [B, Hq, n_pred])`` float32, written by
+    ``gvr.sparse_attention(q, K, V, predicted, partials=...)``; predicted: int32 ``[B, Hsel, n_pred]``
+    (the same indices), selected: int32 ``[B, Hsel, n_sel]``. For each row and query head h (selection
+    head h // (Hq // Hsel)), merges in entry order the partial states of the entries whose value is
+    >= 0, occurs in ``selected``, and is its first occurrence in ``predicted``. out: float32
+    ``[B, Hq, D]`` by default (keep it float32 to repair it next), lse float32 ``[B, Hq]``.
+    Then ``repair(out, lse, ..., missed(selected, predicted))`` completes attention over exactly
+    ``selected``.
+    """
+    if compiling():
+        _check_traced_stream(stream, "prr.finalize")
+        o, l = _finalize_op.call(partials[0], partials[1], predicted, selected)
+        if out is None and lse is None:
+            return o, l
+        out = o if out is None else out.copy_(o)
+        lse = l if lse is None else lse.copy_(l)
+        return out, lse
+    return _run_finalize(partials, predicted, selected, out, lse, stream)
+
+
+# -- torch.library ops ------------------------------------------------------------------------------
+def _repair_impl(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale):
+    _repair(out, lse, q, k_cache, v_cache, indices, lengths=lengths, block_table=block_table,
+            block_size=block_size, scale=scale)
+
+
+def _missed_impl(selected, predicted):
+    return _run_missed(selected, predicted, None, None)
+
+
+def _missed_fake(selected, predicted):
+    return selected.new_empty(selected.shape)
+
+
+def _finalize_impl(part_out, part_lse, predicted, selected):
+    return _run_finalize((part_out, part_lse), predicted, selected, None, None, None)
+
+
+def _finalize_fake(part_out, part_lse, predicted, selected):
+    t = sys.modules["torch"]
+    B, Hq, _, D = part_out.shape
+    return part_out.new_empty((B, Hq, D), dtype=t.float32), part_out.new_empty((B, Hq), dtype=t.float32)
+
+
+_REPAIR_ARGS = _ATT.replace("Tensor q,", "Tensor(a!) out, Tensor(b!) lse, Tensor q,")
+_repair_op = define_op("prr_repair", f"({_REPAIR_ARGS}) -> ()", impl=_repair_impl, fake=_none,
+                       mutates_args=("out", "lse"))
+_missed_op = define_op("prr_missed", "(Tensor selected, Tensor predicted) -> Tensor", impl=_missed_impl,
+                       fake=_missed_fake)
+_finalize_op = define_op("prr_finalize",
+                         "(Tensor part_out, Tensor part_lse, Tensor predicted, Tensor selected) -> (Tensor, Tensor)",
+                         impl=_finalize_impl, fake=_finalize_fake)

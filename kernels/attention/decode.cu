@@ -1,0 +1,248 @@
+/* decode.cu: the entry points of sparse attention (gvr_kernels.h): gvr_sparse_attention and
+ * gvr_sparse_attention_workspace_size. This file only plans and dispatches; the kernel is in
+ * decode.cuh, its instances in decode_d64.cu, decode_d128.cu, decode_d256.cu.
+ *
+ * Plan (shapes and SM count only, so the result is bit-identical run after run):
+ *  - heads: the GQA group of GQ = Hq / Hkv query heads in nch = ceil(GQ / 8) chunks of HC heads, HC the
+ *    power of two in {1, 2, 4, 8} at least ceil(GQ / nch) (heads past GQ computed, never written);
+ *  - units = B * Hkv * nch; splits S of each unit's entries (flash-decoding): the most that keep the
+ *    grid in one wave (floor(resident CTAs / units), resident_ctas(HC) per SM: measured on the H100,
+ *    a second wave costs more than the split work saves; 1 when the units fill half a wave), at most
+ *    the entries, at most ceil(tokens / MIN_SPLIT_TOKENS), at most MAX_SPLITS;
+ *  - grid = units * S CTAs of 128 threads; workspace (S > 1): the split states and one counter per
+ *    unit. */
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/decode.cuh"
+#include "common/device.cuh"
+#include "common/runtime.cuh"
+#include "gvr_kernels.h"
+
+#define GVR_API extern "C" __attribute__((visibility("default")))
+
+namespace gvr::attn {
+namespace {
+
+#ifndef GVR_DECODE_MIN_SPLIT_TOKENS
+#define GVR_DECODE_MIN_SPLIT_TOKENS 128
+#endif
+constexpr long long MIN_SPLIT_TOKENS = GVR_DECODE_MIN_SPLIT_TOKENS;
+
+struct Plan {
+    int HC, nch, S;
+    long long units;
+    size_t cnt_bytes, o_bytes, ml_bytes; /* workspace parts (0 when S == 1) */
+    size_t ws_bytes;
+};
+
+size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+Plan make_plan(const gvr_attention_params *p, int sms)
+{
+    Plan g{};
+    const int GQ = p->Hkv > 0 ? p->Hq / p->Hkv : 1;
+    g.nch = (GQ + 7) / 8;
+    const int per = (GQ + g.nch - 1) / g.nch;
+    g.HC = per <= 1 ? 1 : per <= 2 ? 2 : per <= 4 ? 4 : 8;
+    g.units = (long long)p->B * p->Hkv * g.nch;
+    const long long G = p->block_table ? p->block_size : 1;
+    const long long tokens = (long long)p->n * G;
+    long long S = 1;
+    /* one wave: the CTAs resident at once (the instances' __launch_bounds__ guarantee) */
+    const long long target = (long long)resident_ctas(g.HC) * (sms > 0 ? sms : 1);
+    if (g.units > 0 && 2 * g.units <= target && p->n > 1) {
+        S = target / g.units;
+        const long long by_tok = (tokens + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS;
+        if (S > by_tok)
+            S = by_tok;
+        if (S > p->n)
+            S = p->n;
+        if (S > MAX_SPLITS)
+            S = MAX_SPLITS;
+        if (S < 1)
+            S = 1;
+    }
+    g.S = (int)S;
+    if (g.S > 1) {
+        /* the counters sit in one fixed region at the start, the same for every plan on this device
+         * (units <= target / 2 whenever S > 1): only the counters must be zero between calls (each
+         * call resets its own), and no call's split states ever land on another call's counters */
+        const int most = resident_ctas(1) > resident_ctas(8) ? resident_ctas(1) : resident_ctas(8);
+        g.cnt_bytes = round_up((size_t)((long long)most * (sms > 0 ? sms : 1) / 2 + 1) * sizeof(int), 256);
+        g.o_bytes = round_up((size_t)g.units * g.S * g.HC * p->D * sizeof(float), 256);
+        g.ml_bytes = round_up((size_t)g.units * g.S * g.HC * 2 * sizeof(float), 256);
+        g.ws_bytes = g.cnt_bytes + g.o_bytes + g.ml_bytes;
+    }
+    return g;
+}
+
+template <int ELEM, int D, bool PART>
+cudaError_t launch_hc(int HC, const DecodeArgs &a, unsigned grid, cudaStream_t st)
+{
+    switch (HC) {
+    case 1: return DecodeInstance<ELEM, D, 1, PART>::launch(a, grid, st);
+    case 2: return DecodeInstance<ELEM, D, 2, PART>::launch(a, grid, st);
+    case 4: return DecodeInstance<ELEM, D, 4, PART>::launch(a, grid, st);
+    default: return DecodeInstance<ELEM, D, 8, PART>::launch(a, grid, st);
+    }
+}
+
+template <int ELEM, bool PART>
+cudaError_t launch_d(int D, int HC, const DecodeArgs &a, unsigned grid, cudaStream_t st)
+{
+    switch (D) {
+    case 64: return launch_hc<ELEM, 64, PART>(HC, a, grid, st);
+    case 128: return launch_hc<ELEM, 128, PART>(HC, a, grid, st);
+    default: return launch_hc<ELEM, 256, PART>(HC, a, grid, st);
+    }
+}
+
+cudaError_t launch(int elem, bool part, int D, int HC, const DecodeArgs &a, unsigned grid, cudaStream_t st)
+{
+    if (elem == GVR_ELEM_F16)
+        return part ? launch_d<GVR_ELEM_F16, true>(D, HC, a, grid, st) : launch_d<GVR_ELEM_F16, false>(D, HC, a, grid, st);
+    return part ? launch_d<GVR_ELEM_BF16, true>(D, HC, a, grid, st) : launch_d<GVR_ELEM_BF16, false>(D, HC, a, grid, st);
+}
+
+bool aligned(const void *ptr, size_t a) { return ((uintptr_t)ptr % a) == 0; }
+
+cudaError_t plan_for(const gvr_attention_params *p, Plan *g)
+{
+    int dev = 0, sms = 0;
+    cudaError_t e = current_device(&dev);
+    if (e == cudaSuccess)
+        e = sm_count(dev, &sms);
+    if (e != cudaSuccess)
+        return e;
+    *g = make_plan(p, sms);
+    return cudaSuccess;
+}
+
+} // namespace
+} // namespace gvr::attn
+
+using namespace gvr::attn;
+
+GVR_API size_t gvr_sparse_attention_workspace_size(const gvr_attention_params *p)
+{
+    if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0)
+        return 0;
+    Plan g;
+    if (plan_for(p, &g) != cudaSuccess)
+        return 0; /* gvr_sparse_attention reports the failing query */
+    return g.ws_bytes;
+}
+
+GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace, size_t workspace_bytes, void *stream_)
+{
+    cudaStream_t stream = (cudaStream_t)stream_;
+    if (p->B <= 0 || p->Hq <= 0)
+        return 0;
+    /* the intake (csrc/) enforces these; this only keeps a bad call from launching */
+    if (p->dtype != GVR_ELEM_F16 && p->dtype != GVR_ELEM_BF16)
+        return gvr::set_message(1, "gvr_sparse_attention: q/k/v must be float16 or bfloat16 on CUDA (dtype %d)", p->dtype);
+    if (!gvr_attention_cuda_head_dim_ok(p->D))
+        return gvr::set_message(1, "gvr_sparse_attention: head dim D = %d not served on CUDA (64, 128, 256)", p->D);
+    if (p->Hkv <= 0 || p->Hq % p->Hkv || p->Hq / p->Hkv > GVR_ATTN_MAX_GQA)
+        return gvr::set_message(1, "gvr_sparse_attention: Hq = %d, Hkv = %d: Hq must be a multiple of Hkv, at most %d times",
+                                p->Hq, p->Hkv, GVR_ATTN_MAX_GQA);
+    if (p->Hsel != 1 && p->Hsel != p->Hkv)
+        return gvr::set_message(1, "gvr_sparse_attention: Hsel = %d must be 1 or Hkv = %d", p->Hsel, p->Hkv);
+    if (p->out_dtype != GVR_ELEM_F32 && p->out_dtype != GVR_ELEM_F16 && p->out_dtype != GVR_ELEM_BF16)
+        return gvr::set_message(1, "gvr_sparse_attention: out dtype %d", p->out_dtype);
+    if (p->accumulate && p->out_dtype != GVR_ELEM_F32)
+        return gvr::set_message(1, "gvr_sparse_attention: accumulate needs a float32 out");
+    if (p->n < 0 || p->P <= 0 || p->num_pages < 0 || (p->block_table && (p->block_size < 1 || p->max_pages < 0)))
+        return gvr::set_message(1, "gvr_sparse_attention: bad sizes (n = %d, P = %d, block_size = %d)", p->n, p->P,
+                                p->block_size);
+    if ((p->part_out != nullptr) != (p->part_lse != nullptr))
+        return gvr::set_message(1, "gvr_sparse_attention: part_out and part_lse go together");
+    /* 16-byte loads of K and V: 16-byte aligned bases, strides in multiples of 8 elements (q is read
+     * element by element, once per CTA: any alignment) */
+    const bool k_ok = aligned(p->k, 16) && p->k_stride_page % 8 == 0 && p->k_stride_tok % 8 == 0 && p->k_stride_head % 8 == 0;
+    const bool v_ok = aligned(p->v, 16) && p->v_stride_page % 8 == 0 && p->v_stride_tok % 8 == 0 && p->v_stride_head % 8 == 0;
+    if (!k_ok || !v_ok)
+        return gvr::set_message(1, "gvr_sparse_attention: %s must be 16-byte aligned with strides in multiples of 8 "
+                                "elements on CUDA", !k_ok ? "k_cache" : "v_cache");
+
+    Plan g;
+    cudaError_t e = plan_for(p, &g);
+    if (e != cudaSuccess)
+        return gvr::set_error("gvr_sparse_attention: device query", e);
+    if (g.ws_bytes > 0) {
+        if (!workspace || workspace_bytes < g.ws_bytes)
+            return gvr::set_message(1, "gvr_sparse_attention: workspace of %zu bytes, %zu needed "
+                                    "(gvr_sparse_attention_workspace_size)", workspace ? workspace_bytes : (size_t)0,
+                                    g.ws_bytes);
+        if (!aligned(workspace, 16))
+            return gvr::set_message(1, "gvr_sparse_attention: workspace must be 16-byte aligned");
+    }
+    const long long grid = g.units * g.S;
+    if (grid <= 0)
+        return 0;
+    if (grid > 0x7fffffffLL)
+        return gvr::set_message(1, "gvr_sparse_attention: %lld CTAs exceed the grid limit", grid);
+
+    DecodeArgs a{};
+    a.q = p->q;
+    a.q_sb = p->q_stride_b;
+    a.q_sh = p->q_stride_h;
+    a.k = p->k;
+    a.k_sp = p->k_stride_page;
+    a.k_st = p->k_stride_tok;
+    a.k_sh = p->k_stride_head;
+    a.v = p->v;
+    a.v_sp = p->v_stride_page;
+    a.v_st = p->v_stride_tok;
+    a.v_sh = p->v_stride_head;
+    a.num_pages = p->num_pages;
+    a.P = p->P;
+    a.idx = p->indices;
+    a.idx_sb = p->idx_stride_b;
+    a.idx_sh = p->Hsel == 1 ? 0 : p->idx_stride_h;
+    a.n = p->n;
+    a.bt = p->block_table;
+    a.bt_sb = p->block_table ? p->bt_stride_b : 0;
+    a.max_pages = p->block_table ? p->max_pages : 0;
+    a.lengths = p->block_table ? p->lengths : nullptr;
+    a.G = p->block_table ? p->block_size : 1;
+    a.qscale = p->scale * 1.4426950408889634f;
+    a.out = p->out;
+    a.out_dtype = p->out_dtype;
+    a.out_sb = p->out_stride_b;
+    a.out_sh = p->out_stride_h;
+    {
+        const int vec_elems = p->out_dtype == GVR_ELEM_F32 ? 4 : 4; /* 4 elements: 16 or 8 bytes */
+        const size_t vec_bytes = p->out_dtype == GVR_ELEM_F32 ? 16 : 8;
+        a.out_vec = aligned(p->out, vec_bytes) && p->out_stride_b % vec_elems == 0 && p->out_stride_h % vec_elems == 0;
+    }
+    a.lse = p->lse;
+    a.lse_sb = p->lse_stride_b;
+    a.lse_sh = p->lse_stride_h;
+    a.accumulate = p->accumulate != 0;
+    a.part_out = p->part_out;
+    a.po_sb = p->part_out_stride_b;
+    a.po_sh = p->part_out_stride_h;
+    a.po_se = p->part_out_stride_e;
+    a.po_vec = p->part_out && aligned(p->part_out, 16) && p->part_out_stride_b % 4 == 0 &&
+               p->part_out_stride_h % 4 == 0 && p->part_out_stride_e % 4 == 0;
+    a.part_lse = p->part_lse;
+    a.pl_sb = p->part_lse_stride_b;
+    a.pl_sh = p->part_lse_stride_h;
+    a.Hkv = p->Hkv;
+    a.GQ = p->Hq / p->Hkv;
+    a.nch = g.nch;
+    a.S = g.S;
+    if (g.S > 1) {
+        char *ws = (char *)workspace;
+        a.ws_cnt = (int *)ws;
+        a.ws_o = (float *)(ws + g.cnt_bytes);
+        a.ws_ml = (float *)(ws + g.cnt_bytes + g.o_bytes);
+    }
+    e = launch(p->dtype, p->part_out != nullptr, p->D, g.HC, a, (unsigned)grid, stream);
+    if (e != cudaSuccess)
+        return gvr::set_error("gvr_sparse_attention: kernel launch", e);
+    return 0;
+}
