@@ -1,0 +1,24 @@
+"""The README's Python examples run as written (those needing a CUDA device run on one)."""
+import pathlib
+import re
+
+import pytest
+
+from harness import gpu_skip_reason
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def _first_line(code):
+    return next((line for line in code.splitlines() if line.strip() and not line.startswith("import")), "")[:40]
+
+
+@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}-{_first_line(c)}" for i, c in enumerate(BLOCKS)])
+def test_readme_example_runs(code, tmp_path, monkeypatch):
+    if '"cuda"' in code or ".cuda()" in code or "torch.compile" in code:
+        reason = gpu_skip_reason()
+        if reason:
+            pytest.skip(reason)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, f"README.md block {BLOCKS.index(code)}", "exec"), {"__name__": "__readme__"})
