@@ -10,6 +10,7 @@
 
 #include "cpu/attention_cpu.h"
 #include "cuda_lib.h"
+#include "dispatch.h"
 #include "intake.h"
 #include "ops.h"
 
@@ -18,48 +19,6 @@
 #define F32 GVR_DT(GVR_DTYPE_F32)
 #define U8 GVR_DT(GVR_DTYPE_U8)
 #define ON_CALL (GVR_HOST | GVR_DEVICE)
-
-static int elem_of(gvr_dtype d)
-{
-    return d == GVR_DTYPE_F16 ? GVR_ELEM_F16 : d == GVR_DTYPE_BF16 ? GVR_ELEM_BF16 : GVR_ELEM_F32;
-}
-
-/* Run fn(params, stream) of the CUDA library on the intake's device, restoring the caller's device. */
-typedef int (*cuda_call)(const gvr_cuda_api *cu, const void *params, void *ws, size_t ws_bytes, void *stream);
-
-static int run_on_device(const gvr_intake *in, cuda_call fn, const void *params, void *ws, size_t ws_bytes,
-                         intptr_t stream, const char *what)
-{
-    const gvr_cuda_api *cu = gvr_cuda();
-    if (!cu)
-        return -1;
-    int prev_dev = -1, rc;
-    if (cu->set_device(in->device_id, &prev_dev)) {
-        gvr_cuda_raise("selecting the CUDA device");
-        return -1;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    rc = fn(cu, params, ws, ws_bytes, (void *)stream);
-    Py_END_ALLOW_THREADS
-    if (rc)
-        gvr_cuda_raise(what);
-    if (prev_dev >= 0 && prev_dev != in->device_id)
-        cu->set_device(prev_dev, NULL);
-    return rc ? -1 : 0;
-}
-
-static int run_on_host(int (*fn)(const void *), const void *params)
-{
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fn(params);
-    Py_END_ALLOW_THREADS
-    if (rc) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    return 0;
-}
 
 static int parse_float(PyObject *o, const char *name, float *v)
 {
@@ -208,7 +167,7 @@ static void fill_attention(const gvr_intake *in, gvr_attention_params *p)
                    *bt = &in->view[BT], *ln = &in->view[LEN], *o = &in->view[OUT], *l = &in->view[LSE],
                    *po = &in->view[POUT], *pl = &in->view[PLSE];
     memset(p, 0, sizeof *p);
-    p->dtype = elem_of(q->dtype);
+    p->dtype = gvr_elem_of(q->dtype);
     p->B = (int32_t)q->shape[0];
     p->Hq = (int32_t)q->shape[1];
     p->D = (int32_t)q->shape[2];
@@ -236,7 +195,7 @@ static void fill_attention(const gvr_intake *in, gvr_attention_params *p)
     p->max_pages = bt->data ? (int32_t)bt->shape[1] : 0;
     p->lengths = (const int32_t *)ln->data;
     p->out = o->data;
-    p->out_dtype = elem_of(o->dtype);
+    p->out_dtype = gvr_elem_of(o->dtype);
     p->out_stride_b = o->strides[0];
     p->out_stride_h = o->strides[1];
     p->lse = (float *)l->data;
@@ -335,7 +294,7 @@ PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds
                          "manages it)", need, have);
             goto fail;
         }
-        if (run_on_device(&in, cuda_attention, &p, ws->data, have, stream, "gvr_sparse_attention") < 0)
+        if (gvr_run_on_device(&in, cuda_attention, &p, ws->data, have, stream, "gvr_sparse_attention") < 0)
             goto fail;
     } else {
         if (in.view[LEN].data) {
@@ -347,7 +306,7 @@ PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds
                 goto fail;
             p.lengths = len_copy;
         }
-        if (run_on_host(cpu_attention, &p) < 0)
+        if (gvr_run_on_host(cpu_attention, &p) < 0)
             goto fail;
     }
     result = Py_BuildValue("(OO)", obj[OUT], obj[LSE]);
@@ -498,9 +457,9 @@ PyObject *gvr_py_merge_states(PyObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "merge_states: H and D must fit in int32");
         goto fail;
     }
-    p.dtype_a = elem_of(va->dtype);
-    p.dtype_b = elem_of(vb->dtype);
-    p.dtype_out = elem_of(vo->dtype);
+    p.dtype_a = gvr_elem_of(va->dtype);
+    p.dtype_b = gvr_elem_of(vb->dtype);
+    p.dtype_out = gvr_elem_of(vo->dtype);
     p.va = va->data;
     state_strides(va, 0, &p.va_stride_b, &p.va_stride_h);
     p.la = (const float *)la->data;
@@ -514,8 +473,8 @@ PyObject *gvr_py_merge_states(PyObject *self, PyObject *args, PyObject *kwds)
     p.lo = (float *)lo->data;
     state_strides(lo, 1, &p.lo_stride_b, &p.lo_stride_h);
     p.base2 = base2;
-    if ((in.device == GVR_DEV_CUDA ? run_on_device(&in, cuda_merge, &p, NULL, 0, stream, "gvr_merge_states")
-                                   : run_on_host(cpu_merge, &p)) < 0)
+    if ((in.device == GVR_DEV_CUDA ? gvr_run_on_device(&in, cuda_merge, &p, NULL, 0, stream, "gvr_merge_states")
+                                   : gvr_run_on_host(cpu_merge, &p)) < 0)
         goto fail;
     result = inplace ? Py_BuildValue("(OO)", obj[VA], obj[LA]) : Py_BuildValue("(OO)", obj[VO], obj[LO]);
 fail:
@@ -592,8 +551,8 @@ PyObject *gvr_py_prr_missed(PyObject *self, PyObject *args, PyObject *kwds)
     p.out = (int32_t *)o->data;
     p.out_stride_b = o->strides[0];
     p.out_stride_h = o->strides[1];
-    if ((in.device == GVR_DEV_CUDA ? run_on_device(&in, cuda_missed, &p, NULL, 0, stream, "gvr_prr_missed")
-                                   : run_on_host(cpu_missed, &p)) < 0)
+    if ((in.device == GVR_DEV_CUDA ? gvr_run_on_device(&in, cuda_missed, &p, NULL, 0, stream, "gvr_prr_missed")
+                                   : gvr_run_on_host(cpu_missed, &p)) < 0)
         goto fail;
     result = gvr_intake_object(&in, obj, MOUT);
     Py_INCREF(result);
@@ -683,14 +642,14 @@ PyObject *gvr_py_prr_finalize(PyObject *self, PyObject *args, PyObject *kwds)
     p.sel_stride_b = s->strides[0];
     p.sel_stride_h = s->strides[1];
     p.out = o->data;
-    p.out_dtype = elem_of(o->dtype);
+    p.out_dtype = gvr_elem_of(o->dtype);
     p.out_stride_b = o->strides[0];
     p.out_stride_h = o->strides[1];
     p.lse = (float *)l->data;
     p.lse_stride_b = l->strides[0];
     p.lse_stride_h = l->strides[1];
-    if ((in.device == GVR_DEV_CUDA ? run_on_device(&in, cuda_finalize, &p, NULL, 0, stream, "gvr_prr_finalize")
-                                   : run_on_host(cpu_finalize, &p)) < 0)
+    if ((in.device == GVR_DEV_CUDA ? gvr_run_on_device(&in, cuda_finalize, &p, NULL, 0, stream, "gvr_prr_finalize")
+                                   : gvr_run_on_host(cpu_finalize, &p)) < 0)
         goto fail;
     result = Py_BuildValue("(OO)", obj[FOUT], obj[FLSE]);
 fail:

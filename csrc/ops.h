@@ -19,4 +19,15 @@ PyObject *gvr_py_prr_finalize(PyObject *self, PyObject *args, PyObject *kwds);
 extern const char gvr_attention_doc[], gvr_merge_doc[], gvr_missed_doc[], gvr_finalize_doc[];
 extern const gvr_spec gvr_attention_spec;
 
+PyObject *gvr_py_block_metadata(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds);
+extern const char gvr_block_metadata_doc[], gvr_block_scores_doc[];
+/* @@prr-select-decls@@ */
+PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *gvr_py_prr_ema_calibrate(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *gvr_py_prr_ema_calibrate_workspace_size(PyObject *self, PyObject *args);
+extern const char gvr_ema_predict_doc[], gvr_ema_update_doc[], gvr_ema_calibrate_doc[];
+/* @@prr-ema-decls@@ */
+
 #endif

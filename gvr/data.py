@@ -24,6 +24,14 @@ Decode traces (DSA-indexer-like, temporally correlated rows)::
     trace_overlaps(rows, k) -> np.ndarray       (per-step overlaps of a trace)
     yarn_inv_freq(dim=64, ...) -> np.ndarray    (YaRN-scaled RoPE frequencies)
 
+Block-score traces (PRR: per-block importance over steps)::
+
+    block_score_trace(steps, num_blocks, *, persistence=0.9, drift=0.05,
+                      noise=0.35, seed=0, layers=None)
+        -> float32 [steps, num_blocks] (or [L, steps, num_blocks])
+    block_trace_persistence(layers, persistence) -> per-layer persistence
+    WEAK_PERSISTENCE                              (weak layers' persistence)
+
 Other rows::
 
     iid_scores(batch, n, *, dist="normal", seed=0) -> float32 [batch, n]
@@ -86,7 +94,10 @@ import numpy as np
 __all__ = [
     "ADVERSARIAL_KINDS",
     "PILOT_STEPS",
+    "WEAK_PERSISTENCE",
     "adversarial",
+    "block_score_trace",
+    "block_trace_persistence",
     "decode_trace",
     "decode_trace_batch",
     "iid_scores",
@@ -641,3 +652,120 @@ def ragged_lengths(batch: int, n: int, *, k: int = 2048, seed: int = 0) -> np.nd
     out = np.array(edges[:batch], dtype=np.int64)
     out = np.concatenate([out, rng.integers(0, n + 1, batch - out.size)])
     return out[rng.permutation(batch)].astype(np.int32)
+
+
+# --------------------------------------------------------------------------
+# Block-score traces (PRR: temporal structure of per-block importance)
+# --------------------------------------------------------------------------
+#: persistence of the weakly persistent layers of ``block_score_trace(..., layers=L)``
+WEAK_PERSISTENCE = 0.3
+_BT_DIM = 32  # query / key dimension of the block-trace model
+_BT_KEY_SMOOTH = 0.8  # correlation of neighbouring blocks' key contents (locality)
+_BT_SINK = 4.0  # score bonus of block 0 (attention sink)
+_BT_RECENT = 3.0  # score bonus of the last block, decaying over _BT_RECENT_W blocks
+_BT_RECENT_W = 4.0
+
+
+def block_trace_persistence(layers, persistence: float = 0.9) -> tuple:
+    """The per-layer persistence values ``block_score_trace`` uses for ``layers``: an int L gives
+    ``ceil(L / 4)`` weakly persistent layers first (``WEAK_PERSISTENCE``) and ``persistence`` for the
+    rest (one layer: ``(persistence,)``); a sequence is taken as the per-layer values."""
+    if isinstance(layers, bool):
+        raise TypeError("layers must be an int or a sequence of floats")
+    if isinstance(layers, (int, np.integer)):
+        L = int(layers)
+        if L < 1:
+            raise ValueError(f"layers must be >= 1, got {L}")
+        if L == 1:
+            return (float(persistence),)
+        weak = -(-L // 4)
+        return (WEAK_PERSISTENCE,) * weak + (float(persistence),) * (L - weak)
+    vals = tuple(float(v) for v in layers)
+    if not vals:
+        raise ValueError("layers must not be empty")
+    return vals
+
+
+def block_score_trace(steps: int, num_blocks: int, *, persistence: float = 0.9, drift: float = 0.05,
+                      noise: float = 0.35, seed: int = 0, layers=None) -> np.ndarray:
+    """Per-block importance scores over decode (or prefill) steps with realistic temporal structure:
+    float32 ``[steps, num_blocks]`` (``layers=None``) or ``[L, steps, num_blocks]``.
+
+    Model (per layer, own random stream from ``(seed, layer)``; deterministic): block j has a key
+    ``k_j`` in R^32 whose content is smooth along j (neighbouring blocks correlate at 0.8: blocks of
+    one passage look alike) plus positional structure (block 0 an attention sink, +4; the most recent
+    blocks +3 exp(-(Nb-1-j)/4)). The query at step t is::
+
+        q_t = a_t + m_t + e_t,   a_t = rho a_{t-1} + sqrt(1 - rho^2) z_t   (AR(1), unit variance)
+        m_t = M (cos(drift t), sin(drift t))                                (a drifting focus)
+
+    with ``rho = persistence`` (step-to-step correlation of the query's slow part: the knob of how
+    long Top-K selections persist; 1 keeps the query, 0 redraws it every step), ``drift`` radians per
+    step of a steady rotation of the query's mean in a random plane (scores trend up and down: what a
+    damped-trend predictor follows) and ``e_t`` i.i.d. per-step jitter of standard deviation
+    ``noise`` (what smoothing averages out). Score ``s_tj = <q_t, k_j> / sqrt(32) + pos_j``.
+    The dot products are evaluated one dimension at a time in float64 (no BLAS: the same bits on
+    every machine), then rounded once to float32.
+
+    layers: None (one layer at ``persistence``, 2-D result), an int L (``ceil(L/4)`` weakly
+    persistent layers at ``WEAK_PERSISTENCE`` first, then ``persistence``:
+    ``block_trace_persistence``), or a sequence of per-layer persistence values in [0, 1].
+    """
+    for name, v in (("steps", steps), ("num_blocks", num_blocks)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    steps, num_blocks = int(steps), int(num_blocks)
+    for name, v in (("persistence", persistence), ("drift", drift), ("noise", noise)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or not math.isfinite(v):
+            raise TypeError(f"{name} must be a finite float, got {v!r}")
+    if not 0.0 <= persistence <= 1.0:
+        raise ValueError(f"persistence must lie in [0, 1], got {persistence}")
+    if noise < 0:
+        raise ValueError(f"noise must be >= 0, got {noise}")
+    rhos = block_trace_persistence(1 if layers is None else layers, persistence)
+    for r in rhos:
+        if not 0.0 <= r <= 1.0:
+            raise ValueError(f"layer persistence values must lie in [0, 1], got {r}")
+    out = np.empty((len(rhos), steps, num_blocks), np.float32)
+    for li, rho in enumerate(rhos):
+        out[li] = _block_layer(steps, num_blocks, rho, float(drift), float(noise), seed, li)
+    return out[0] if layers is None else out
+
+
+def _block_layer(steps, nb, rho, drift, noise, seed, layer):
+    d = _BT_DIM
+    ss_k, ss_q = np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, 0xB10C, int(layer)]).spawn(2)
+    rk = np.random.default_rng(ss_k)
+    # key contents: AR(1) along the blocks (unit variance per dimension)
+    z = rk.standard_normal((nb, d))
+    keys = np.empty((nb, d))
+    c = math.sqrt(1.0 - _BT_KEY_SMOOTH**2)
+    if nb:
+        keys[0] = z[0]
+    for j in range(1, nb):
+        keys[j] = _BT_KEY_SMOOTH * keys[j - 1] + c * z[j]
+    plane = rk.standard_normal((d, 2)) * 0.7
+    j = np.arange(nb, dtype=np.float64)
+    pos = _BT_RECENT * np.exp(-(nb - 1 - j) / _BT_RECENT_W)
+    if nb:
+        pos[0] += _BT_SINK
+    # queries: the innovations are drawn in the same order for every rho (coupled traces)
+    rq = np.random.default_rng(ss_q)
+    zq = rq.standard_normal((steps, d))
+    jit = rq.standard_normal((steps, d)) * noise
+    q = np.empty((steps, d))
+    s = math.sqrt(max(0.0, 1.0 - rho * rho))
+    a = zq[0] if steps else None
+    for t in range(steps):
+        if t:
+            a = rho * a + s * zq[t]
+        m = plane[:, 0] * math.cos(drift * t) + plane[:, 1] * math.sin(drift * t)
+        q[t] = a + m + jit[t]
+    acc = np.zeros((steps, nb))
+    for i in range(d):  # one dimension at a time: elementwise float64, no BLAS
+        acc += q[:, i : i + 1] * keys[None, :, i]
+    acc *= 1.0 / math.sqrt(d)
+    acc += pos[None, :]
+    return acc.astype(np.float32)

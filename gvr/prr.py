@@ -11,6 +11,13 @@ blocks the selection chose that the prediction missed. Two modes:
   predicted)`` adds the rest: equal to ``sparse_attention(q, K, V, selected)`` (selected entries
   distinct, as a Top-K gives them).
 
+The selection stage (Quest, paper 002's evaluation): ``block_metadata`` / ``update_block_metadata``
+keep per-block, per-channel key minima and maxima; ``block_scores`` gives Quest's upper bound per
+(row, KV head, block); ``select_blocks`` takes their Top-K (``gvr.topk_decode``) with the first and most
+recent blocks always kept. The predictor (section 4.1): ``EMAPredictor`` (Holt's damped trend per
+block, state at fixed addresses) and ``calibrate`` (section 4.2: the grid point with the best
+score-weighted hit rate over the prefill trajectory).
+
 States to be repaired are kept in float32 (``out`` float32), so repeated repairs round once, at the
 end. Every function runs on the CPU (C) for NumPy arrays / CPU tensors and on CUDA for device
 tensors, on the caller's stream, in one launch, graph-safe.
@@ -23,8 +30,11 @@ from . import _C
 from ._interop import compiling, define_op, framework, prepare
 from .attention import _ATT, _check_traced_stream, _new, _none, _shape
 from .attention import repair as _repair
+from ._prr_ema import DEFAULT_GRID, EMAPredictor, calibrate, calibration_hit_rates  # noqa: F401
+from ._prr_select import block_metadata, block_scores, select_blocks, update_block_metadata  # noqa: F401
 
-__all__ = ["repair", "missed", "finalize"]
+__all__ = ["repair", "missed", "finalize", "block_metadata", "update_block_metadata", "block_scores",
+           "select_blocks", "EMAPredictor", "calibrate", "calibration_hit_rates", "DEFAULT_GRID"]
 
 
 def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 4
+#define GVR_ABI_VERSION 5
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -223,6 +223,168 @@ typedef struct {
 
 int gvr_prr_finalize(const gvr_finalize_params *p, void *stream);
 
+/* ---- PRR selection stage: Quest block metadata and block scores (csrc/prr_select.c, kernels/prr/select.cu) */
+/* Quest's block metadata (PRR's selection stage): per row b, KV head h and metadata block j of
+ * G = block_size tokens (tokens [j*G, min((j+1)*G, len_b)) of row b; token t at page
+ * block_table[b*bt_stride_b + t/P], slot t % P, as in gvr_attention_params; pages < 0 or >= num_pages
+ * hold no token), the per-channel minimum and maximum of the keys:
+ *   meta[b, h, j, 0, d] = min over the block's tokens of k[t, h, d], meta[b, h, j, 1, d] = their max,
+ * in k's element type (exact: stored values, compared as IEEE 754 totalOrder on the bits: -0 < +0,
+ * NaNs with the sign bit below -inf, others above +inf). A block without tokens: min +inf, max -inf
+ * ("empty"; a block is empty exactly when its channel-0 min is above its max in that order).
+ * Element at meta + b*meta_stride_b + h*meta_stride_h + j*meta_stride_j + m*meta_stride_m + d (m = 0:
+ * min, 1: max). Nb blocks per row (meta's extent; the intake requires ceil(max_pages*P / G)).
+ * Lengths (end) and start are clamped to [0, max_pages*P] (gvr._C raises for host values outside).
+ *  - start == NULL (build): every block j < Nb is written, from its tokens < end_b (end NULL:
+ *    max_pages*P).
+ *  - start != NULL (update, in place): with s = start_b, e = end_b, nothing when e <= s; else the
+ *    blocks j in [floor(s/G), ceil(e/G)) fold in their tokens in [s, e): a block with j*G >= s is
+ *    rebuilt from them; the block containing s when s % G != 0 is merged (min/max) with its content
+ *    (its content only when it has no such token; the new tokens only when it was empty). Blocks
+ *    wholly before s, or at or after ceil(e/G), are untouched. A meta built for lengths = start then
+ *    updated to end equals the meta built for lengths = end.
+ * CUDA: F16 and BF16, D in {64, 128, 256}, k and meta on 16-byte boundaries with strides in
+ * multiples of 8 elements. Exact, so the split of the work over CTAs never shows in the result. */
+typedef struct {
+    int32_t dtype; /* k and meta: GVR_ELEM_* */
+    int32_t B, Hkv, D;
+    const void *k;
+    int64_t k_stride_page, k_stride_tok, k_stride_head;
+    int64_t num_pages;
+    int32_t P;
+    const int32_t *block_table;
+    int64_t bt_stride_b;
+    int32_t max_pages;
+    int32_t block_size; /* G: divides or is a multiple of P */
+    int32_t Nb;
+    const int32_t *start; /* [B] contiguous; NULL: build */
+    const int32_t *end;   /* [B] contiguous; NULL: max_pages * P */
+    void *meta;           /* [B, Hkv, Nb, 2, D] */
+    int64_t meta_stride_b, meta_stride_h, meta_stride_j, meta_stride_m;
+} gvr_block_meta_params;
+
+int gvr_prr_block_metadata(const gvr_block_meta_params *p, void *stream);
+
+/* How block_scores combines the query heads of a GQA group. */
+enum { GVR_GROUP_MAX = 0, GVR_GROUP_SUM = 1 };
+
+/* Limits of the CUDA path of gvr_prr_block_scores (the intake raises a ValueError naming them). */
+#define GVR_PRR_SCORES_MAX_GQA 32 /* Hq / Hkv */
+
+/* Quest's block scores: for row b, KV head h, block j (Nb blocks, G = block_size tokens each),
+ * query heads g in [h*GQ, (h+1)*GQ), GQ = Hq / Hkv, with n_b = min(ceil(len_b / G), Nb) blocks
+ * (len_b = lengths ? clamp(lengths[b], 0, Nb*G) : Nb*G):
+ *   scores[b, h, j] = -inf                    when j >= n_b or the block is empty (see above),
+ *                   = +inf                    else when j < keep_first or j >= n_b - keep_last,
+ *                   = R_g s_g                 else, R = max (GVR_GROUP_MAX) or sum (GVR_GROUP_SUM),
+ *   s_g = sum over d of t_d, t_d = max(q[g, d] * max_d, q[g, d] * min_d) (the upper bound of q.k
+ *   over the block's keys), everything in fp32 (q and meta converted exactly; each product rounded;
+ *   no FMA) in this order, which both the CPU and the CUDA code follow (deterministic, bit for bit):
+ *     - t_d = a > b or a is NaN ? a : b with a = q*max_d, b = q*min_d (NaN propagates);
+ *     - D is cut into L = ceil(D/8) chunks of 8 channels (the last may be shorter); chunk c's partial
+ *       v_c = (((t_{8c} + t_{8c+1}) + t_{8c+2}) + ...) left to right;
+ *     - the partials fold as a tree: for o = the largest power of two < L, then o/2, ..., 1:
+ *       v_c = v_c + v_{c+o} for every c < o with c + o < L; s_g = v_0;
+ *     - R over g in order: max keeps the first of equal values and takes NaN when met
+ *       (m = s_g > m or s_g is NaN ? s_g : m); sum is ((s_0 + s_1) + s_2) + ... .
+ * counts (nullable, [B, Hkv]): n_b for every h (the row lengths of topk_decode over the scores).
+ * CUDA: F16 and BF16, D in {64, 128, 256}, GQ <= GVR_PRR_SCORES_MAX_GQA, meta on 16-byte boundaries
+ * with strides in multiples of 8 elements. */
+typedef struct {
+    int32_t dtype; /* q and meta: GVR_ELEM_* */
+    int32_t B, Hq, Hkv, D, Nb;
+    const void *q;
+    int64_t q_stride_b, q_stride_h;
+    const void *meta;
+    int64_t meta_stride_b, meta_stride_h, meta_stride_j, meta_stride_m;
+    const int32_t *lengths; /* [B] contiguous; NULL: Nb * G */
+    int32_t block_size;
+    int32_t group_reduce; /* GVR_GROUP_* */
+    int32_t keep_first, keep_last;
+    float *scores; /* [B, Hkv, Nb], unit stride along Nb */
+    int64_t scores_stride_b, scores_stride_h;
+    int32_t *counts; /* [B, Hkv] or NULL */
+    int64_t counts_stride_b, counts_stride_h;
+} gvr_block_scores_params;
+
+int gvr_prr_block_scores(const gvr_block_scores_params *p, void *stream);
+
+/* @@prr-select@@ */
+
+/* ---- PRR EMA predictor and calibration (csrc/prr_ema.c, kernels/prr/ema.cu) ------------------------ */
+/* State of B rows (b, KV head h) x N blocks (unit stride along blocks), hyper-parameters
+ * alpha, beta in (0, 1), phi in [0, 1]: level L[b, h, j], trend T[b, h, j] (float32), known[b, h]
+ * (int32: blocks 0 .. known-1 have state). nb = clamp(nblocks[b], 0, N) (nblocks: int32 [B],
+ * contiguous; gvr._C raises a ValueError for host values out of range, device values are clamped).
+ * Every expression is float32, rounded after each operation, in this order (no contraction into
+ * FMA: the C path, the CUDA path (__fmul_rn/__fadd_rn) and NumPy float32 agree bit for bit):
+ *   t = phi * T;  f = L + t                                   (the prediction)
+ *   L' = alpha * s + (1 - alpha) * f                           ((1 - alpha) rounded once)
+ *   T' = beta * (L' - L) + (1 - beta) * t                      ((1 - beta) rounded once)
+ *
+ * gvr_prr_ema_predict writes, for j < W (pred's width):
+ *   pred[b, h, j] = f          j < min(known, nb)             (-inf for a block never observed)
+ *                 = +inf       min(known, nb) <= j < nb       (a new block: always predicted)
+ *                 = -inf       j >= nb                        (no such block)
+ * and row_len[b, h] = min(nb, W): Top-K of pred[b, h, :row_len] (gvr_topk_decode with lengths) is the
+ * predicted selection.
+ * gvr_prr_ema_update, with nu = min(nb, Ns) (scores' width Ns), s = scores[b, h, j]:
+ *   j < min(known, nu), s observed, L > -inf:  the update above;
+ *   j < min(known, nu), s observed, L == -inf: L' = s, T' = 0 (a block never observed starts now);
+ *   j < min(known, nu), s not observed:        unchanged;
+ *   min(known, nu) <= j < nu (new):            L' = s if observed else -inf, T' = 0;
+ * then known[b, h] = nu. "Observed" means s > -inf: -inf (masked) and NaN leave no trace; +inf
+ * follows IEEE arithmetic. Each row is read before it is written: one launch per call. */
+typedef struct {
+    int32_t B, H, N; /* rows, KV heads, blocks of state per row */
+    float *level;
+    int64_t level_stride_b, level_stride_h;
+    float *trend;
+    int64_t trend_stride_b, trend_stride_h;
+    int32_t *known; /* [B, H] */
+    int64_t known_stride_b, known_stride_h;
+    const int32_t *nblocks; /* [B], contiguous */
+    float alpha, beta, phi;
+    /* update: scores [B, H, Ns] */
+    const float *scores;
+    int64_t scores_stride_b, scores_stride_h;
+    int32_t Ns;
+    /* predict: pred [B, H, W], row_len [B, H] */
+    float *pred;
+    int64_t pred_stride_b, pred_stride_h;
+    int32_t W;
+    int32_t *row_len;
+    int64_t row_len_stride_b, row_len_stride_h;
+} gvr_ema_params;
+
+int gvr_prr_ema_predict(const gvr_ema_params *p, void *stream);
+int gvr_prr_ema_update(const gvr_ema_params *p, void *stream);
+
+/* Calibration (paper section 4.2): for each of G grid points g (alpha, beta, phi = grid[3g .. 3g+2]),
+ * run the predictor over the trajectory scores [T, N] (row t at scores + t*stride_t): state from row
+ * 0 as new blocks (the update above with known = 0, nblocks = N), then for t = 1 .. T-1: P_t = Top-K
+ * (kk = min(k, N), the order of gvr_topk_decode: ties to the lower index) of the prediction, S_t = Top-K
+ * of scores[t], then the update with scores[t]. Weights x_tj = (double)s_tj - (double)m_t for finite
+ * s_tj (m_t the minimum of row t's finite scores), 0 otherwise (x >= 0). With the entries of S_t in
+ * ascending index order e = 0 .. kk-1, the sums num_t (over e with j_e in P_t) and den_t (all e) are
+ * float64 and canonical: 32 partial sums p_l over e = l, l+32, ... (ascending), then the pairwise
+ * tree ((p_0 + p_1) + (p_2 + p_3)) + ... over the 32. hit_t = num_t / den_t when den_t > 0, else
+ * |P_t & S_t| / kk (a row whose top-k scores all equal its minimum). hit[g] = (sum over t ascending of
+ * hit_t) / (T - 1), float64. T >= 2, 1 <= k, N >= 1. The CPU path and the CUDA path give the same bits. */
+#define GVR_EMA_CALIBRATE_MAX_BLOCKS 8192 /* N on CUDA */
+typedef struct {
+    const float *scores;
+    int64_t stride_t;
+    int32_t T, N, k, G;
+    const float *grid; /* [G, 3] contiguous: alpha, beta, phi */
+    double *hit;       /* [G] */
+} gvr_ema_calibrate_params;
+
+size_t gvr_prr_ema_calibrate_workspace_size(const gvr_ema_calibrate_params *p);
+int gvr_prr_ema_calibrate(const gvr_ema_calibrate_params *p, void *workspace, size_t workspace_bytes, void *stream);
+
+/* @@prr-ema@@ */
+
 /* ---- the symbol list ------------------------------------------------------------------------ */
 
 /* Every entry point, as X(return type, field name, symbol, parameter list): csrc/cuda_lib.c builds its
@@ -240,7 +402,16 @@ int gvr_prr_finalize(const gvr_finalize_params *p, void *stream);
     X(int, sparse_attention, gvr_sparse_attention, (const gvr_attention_params *, void *, size_t, void *)) \
     X(int, merge_states, gvr_merge_states, (const gvr_merge_params *, void *))                       \
     X(int, prr_missed, gvr_prr_missed, (const gvr_missed_params *, void *))                          \
-    X(int, prr_finalize, gvr_prr_finalize, (const gvr_finalize_params *, void *))
+    X(int, prr_finalize, gvr_prr_finalize, (const gvr_finalize_params *, void *))                    \
+    X(int, prr_block_metadata, gvr_prr_block_metadata, (const gvr_block_meta_params *, void *))       \
+    X(int, prr_block_scores, gvr_prr_block_scores, (const gvr_block_scores_params *, void *))         \
+    /* @@prr-select-symbols@@ */                                                                     \
+    X(int, prr_ema_predict, gvr_prr_ema_predict, (const gvr_ema_params *, void *))                    \
+    X(int, prr_ema_update, gvr_prr_ema_update, (const gvr_ema_params *, void *))                      \
+    X(size_t, prr_ema_calibrate_workspace_size, gvr_prr_ema_calibrate_workspace_size,                \
+      (const gvr_ema_calibrate_params *))                                                            \
+    X(int, prr_ema_calibrate, gvr_prr_ema_calibrate, (const gvr_ema_calibrate_params *, void *, size_t, void *)) \
+    /* @@prr-ema-symbols@@ */
 
 #ifdef __cplusplus
 }

@@ -24,6 +24,7 @@
  * either input. prr_missed_cpu / prr_finalize_cpu: sorted copies of the rows (LSD radix sort) and a
  * merge walk. */
 #include "attention_cpu.h"
+#include "elem.h"
 
 #include "threads.h"
 
@@ -40,71 +41,7 @@
 
 #define CHUNK 64 /* tokens per online-softmax step (scores of a chunk stay in L1) */
 
-/* ---- element types ---------------------------------------------------------------------------- */
-
-static inline uint32_t f32_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static inline float bits_f32(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* IEEE half -> float, exact, branch-free (vectorizes): the 15 magnitude bits moved to float's
- * exponent/mantissa position and scaled by 2^112 give normals and subnormals alike; exponent 31
- * (inf, NaN: payload kept) is patched. */
-static inline float f16_to_f32(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t em = h & 0x7FFFu;
-    const float scaled = bits_f32(em << 13) * 0x1p112f;
-    const uint32_t mag = em >= 0x7C00u ? ((em << 13) | 0x7F800000u) : f32_bits(scaled);
-    return bits_f32(mag | sign);
-}
-
-/* float -> IEEE half, round to nearest even, in integers (no dependence on the FP environment).
- * Overflow gives inf; NaN stays a (quiet) NaN with the sign kept. */
-static inline uint16_t f32_to_f16(float f)
-{
-    const uint32_t x = f32_bits(f);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    const uint32_t ax = x & 0x7FFFFFFFu;
-    if (ax > 0x7F800000u) /* NaN */
-        return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
-    if (ax >= 0x477FF000u) /* >= 65520: rounds to inf (inf included) */
-        return (uint16_t)(sign | 0x7C00u);
-    if (ax >= 0x38800000u) { /* >= 2^-14: normal */
-        uint32_t r = ax - 0x38000000u; /* rebias the exponent: 127 - 15 */
-        r += 0xFFFu + ((r >> 13) & 1u);
-        return (uint16_t)(sign | (r >> 13));
-    }
-    if (ax <= 0x33000000u) /* <= 2^-25: rounds to zero (2^-25 is a tie, to even 0) */
-        return sign;
-    const uint32_t e = ax >> 23; /* 102 .. 112 */
-    const uint32_t m = (ax & 0x7FFFFFu) | 0x800000u;
-    const uint32_t shift = 126u - e; /* value * 2^24 = m >> shift */
-    uint32_t q = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-    q += rem > half || (rem == half && (q & 1u));
-    return (uint16_t)(sign | q);
-}
-
-static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-/* float -> bfloat16, round to nearest even; NaN stays a quiet NaN with the sign kept. */
-static inline uint16_t f32_to_bf16(float f)
-{
-    const uint32_t x = f32_bits(f);
-    if ((x & 0x7FFFFFFFu) > 0x7F800000u)
-        return (uint16_t)((x >> 16) | 0x40u);
-    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
-}
+/* ---- element types (conversions: elem.h) ------------------------------------------------------ */
 
 static inline size_t elem_size(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : 2; }
 
@@ -116,11 +53,11 @@ static void load_row(int32_t dtype, const void *src, float *restrict dst, int n)
     } else if (dtype == GVR_ELEM_F16) {
         const uint16_t *restrict s = (const uint16_t *)src;
         for (int i = 0; i < n; i++)
-            dst[i] = f16_to_f32(s[i]);
+            dst[i] = gvr_f16_to_f32(s[i]);
     } else {
         const uint16_t *restrict s = (const uint16_t *)src;
         for (int i = 0; i < n; i++)
-            dst[i] = bf16_to_f32(s[i]);
+            dst[i] = gvr_bf16_to_f32(s[i]);
     }
 }
 
@@ -131,11 +68,11 @@ static void store_row(int32_t dtype, void *dst, const float *restrict src, int n
     } else if (dtype == GVR_ELEM_F16) {
         uint16_t *restrict d = (uint16_t *)dst;
         for (int i = 0; i < n; i++)
-            d[i] = f32_to_f16(src[i]);
+            d[i] = gvr_f32_to_f16(src[i]);
     } else {
         uint16_t *restrict d = (uint16_t *)dst;
         for (int i = 0; i < n; i++)
-            d[i] = f32_to_bf16(src[i]);
+            d[i] = gvr_f32_to_bf16(src[i]);
     }
 }
 
@@ -319,10 +256,10 @@ static inline __attribute__((always_inline)) const float *row_base(int32_t dtype
     const uint16_t *h = (const uint16_t *)x + off;
     if (dtype == GVR_ELEM_F16)
         for (int d = 0; d < D; d++)
-            buf[d] = f16_to_f32(h[d]);
+            buf[d] = gvr_f16_to_f32(h[d]);
     else
         for (int d = 0; d < D; d++)
-            buf[d] = bf16_to_f32(h[d]);
+            buf[d] = gvr_bf16_to_f32(h[d]);
     return buf;
 }
 
@@ -429,7 +366,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline const float *row_avx2(int
         for (; d + 8 <= D; d += 8)
             _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
         for (; d < D; d++)
-            buf[d] = f16_to_f32(h[d]);
+            buf[d] = gvr_f16_to_f32(h[d]);
         return buf;
     }
     return row_base(dtype, x, off, buf, D);

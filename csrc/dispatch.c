@@ -1,0 +1,44 @@
+/* See dispatch.h. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "dispatch.h"
+
+int gvr_elem_of(gvr_dtype d)
+{
+    return d == GVR_DTYPE_F16 ? GVR_ELEM_F16 : d == GVR_DTYPE_BF16 ? GVR_ELEM_BF16 : GVR_ELEM_F32;
+}
+
+int gvr_run_on_device(const gvr_intake *in, gvr_cuda_call fn, const void *params, void *ws, size_t ws_bytes,
+                      intptr_t stream, const char *what)
+{
+    const gvr_cuda_api *cu = gvr_cuda();
+    if (!cu)
+        return -1;
+    int prev_dev = -1, rc;
+    if (cu->set_device(in->device_id, &prev_dev)) {
+        gvr_cuda_raise("selecting the CUDA device");
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = fn(cu, params, ws, ws_bytes, (void *)stream);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        gvr_cuda_raise(what);
+    if (prev_dev >= 0 && prev_dev != in->device_id)
+        cu->set_device(prev_dev, NULL);
+    return rc ? -1 : 0;
+}
+
+int gvr_run_on_host(int (*fn)(const void *), const void *params)
+{
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fn(params);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,266 @@
+"""PRR's selection stage (paper 002): Quest-style block criticality over a paged KV cache.
+
+``block_metadata`` keeps, per row, KV head and block of ``block_size`` tokens, the per-channel min and
+max of the keys; ``update_block_metadata`` folds appended tokens in, in place; ``block_scores`` gives
+Quest's upper bound of q.k per (row, KV head, block), combined over the GQA group; ``select_blocks``
+is the selection: block scores with the first and most recent blocks always kept, then
+``gvr.topk_decode`` over the blocks of each (row, KV head), giving the ``indices`` that
+``gvr.sparse_attention(..., block_table=..., block_size=G)`` takes with Hsel = Hkv.
+
+The wrappers (defaults, outputs in the caller's framework, the caller's stream) and their
+torch.library ops; validation and computation happen in gvr._C (csrc/prr_select.c,
+csrc/cpu/prr_select_cpu.c, kernels/prr/select.cu). Semantics in full: kernels/gvr_kernels.h, section
+"PRR selection stage".
+"""
+from __future__ import annotations
+
+import sys
+
+from . import _C
+from ._interop import compiling, define_op, framework, prepare
+from .attention import _check_traced_stream, _new, _shape
+from .topk import topk_decode
+
+__all__ = ["block_metadata", "update_block_metadata", "block_scores", "select_blocks"]
+
+
+def _int(x):
+    """x as an int when it is one (not a bool), else None (gvr._C then names the problem)."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return int(x.__index__())
+    except (AttributeError, TypeError):
+        return None
+
+
+def _meta_shape(k_cache, block_table, block_size):
+    ks, bs, G = _shape(k_cache), _shape(block_table), _int(block_size)
+    if not (ks and bs and len(ks) == 4 and len(bs) == 2 and G and G > 0):
+        return None
+    return (bs[0], ks[2], -(-(bs[1] * ks[1]) // G), 2, ks[3])
+
+
+# --------------------------------------------------------------------------------------------------
+# eager paths
+# --------------------------------------------------------------------------------------------------
+def _run_metadata(k_cache, block_table, lengths, block_size, out, stream):
+    fw = framework(k_cache)
+    if out is None:
+        out = _new(k_cache, fw, _meta_shape(k_cache, block_table, block_size), None)
+    # in gvr._C's spec order (k_cache, block_table, lengths, start, out): nosync's bits follow it
+    (k, bt, ln, _, o), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, lengths, None, out), stream)
+    _C.block_metadata(k, bt, ln, o, block_size, None, stream, nosync)
+    return out
+
+
+def _run_update(meta, k_cache, block_table, start, end, block_size, stream):
+    if start is None or end is None:
+        raise TypeError("prr.update_block_metadata: 'start' and 'end' must be given (int32 [B])")
+    fw = framework(k_cache)
+    # in gvr._C's spec order (k_cache, block_table, end, start, meta): nosync's bits follow it
+    (k, bt, e, s, m), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, end, start, meta), stream)
+    _C.block_metadata(k, bt, e, m, block_size, s, stream, nosync)
+    return meta
+
+
+def _run_scores(q, meta, lengths, block_size, group_reduce, keep_first, keep_last, out, counts, stream):
+    fw = framework(q)
+    ms = _shape(meta)
+    if out is None and ms is not None and len(ms) == 5:
+        out = _new(q, fw, ms[:3], "float32")
+    (aq, am, al, ao, ac), stream, nosync = prepare(fw, q, (q, meta, lengths, out, counts), stream)
+    r = _C.block_scores(aq, am, al, ao, ac, block_size, group_reduce, keep_first, keep_last, stream, nosync)
+    return r if out is None else out
+
+
+def _check_blocks(n, name):
+    """init_blocks / local_blocks: named here (gvr._C knows them as keep_first / keep_last)."""
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        raise TypeError(f"'{name}' must be an int, got {type(n).__name__}")
+    if n.__index__() < 0:
+        raise ValueError(f"'{name}' must not be negative, got {n.__index__()}")
+
+
+def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream):
+    _check_blocks(init_blocks, "init_blocks")
+    _check_blocks(local_blocks, "local_blocks")
+    fw = framework(q)
+    ms = _shape(meta)
+    kk = _int(k)
+    if ms is None or len(ms) != 5 or kk is None or kk < 0:
+        # gvr._C / topk_decode name the problem
+        _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, None, None, stream)
+        topk_decode(_new(q, fw, (1, 1), "float32"), k)
+        raise TypeError("prr.select_blocks: 'meta' must be [B, Hkv, Nb, 2, D] and 'k' an int >= 0")
+    B, Hkv, Nb = ms[:3]
+    scores = _new(q, fw, (B, Hkv, Nb), "float32")
+    counts = _new(q, fw, (B, Hkv), "int32")
+    _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, scores, counts, stream)
+    res = out
+    if res is None or not _contiguous(res, fw):
+        res = _new(q, fw, (B, Hkv, kk), "int32")
+    topk_decode(scores.reshape(B * Hkv, Nb), kk, lengths=counts.reshape(B * Hkv), out=res.reshape(B * Hkv, kk),
+                stream=stream)
+    if out is not None and res is not out:
+        _copy_into(out, res, fw)
+        return out
+    return res
+
+
+def _contiguous(x, fw):
+    if fw == "torch":
+        return x.is_contiguous()
+    flags = getattr(x, "flags", None)
+    return bool(flags is not None and flags.c_contiguous)
+
+
+def _copy_into(dst, src, fw):
+    if fw == "torch":
+        dst.copy_(src)
+    else:
+        dst[...] = src
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library ops (traced code only; eager calls run the functions above directly)
+# --------------------------------------------------------------------------------------------------
+def _metadata_impl(k_cache, block_table, lengths, block_size):
+    return _run_metadata(k_cache, block_table, lengths, block_size, None, None)
+
+
+def _metadata_fake(k_cache, block_table, lengths, block_size):
+    B, maxp = block_table.shape
+    _, P, Hkv, D = k_cache.shape
+    return k_cache.new_empty((B, Hkv, (maxp * P + block_size - 1) // block_size, 2, D))
+
+
+def _update_impl(meta, k_cache, block_table, start, end, block_size):
+    _run_update(meta, k_cache, block_table, start, end, block_size, None)
+
+
+def _update_fake(meta, k_cache, block_table, start, end, block_size):
+    return None
+
+
+def _scores_impl(q, meta, lengths, block_size, group_reduce, keep_first, keep_last):
+    t = sys.modules["torch"]
+    B, Hkv, Nb = meta.shape[:3]
+    scores = t.empty((B, Hkv, Nb), dtype=t.float32, device=q.device)
+    counts = t.empty((B, Hkv), dtype=t.int32, device=q.device)
+    _run_scores(q, meta, lengths, block_size, group_reduce, keep_first, keep_last, scores, counts, None)
+    return scores, counts
+
+
+def _scores_fake(q, meta, lengths, block_size, group_reduce, keep_first, keep_last):
+    t = sys.modules["torch"]
+    B, Hkv, Nb = meta.shape[:3]
+    return q.new_empty((B, Hkv, Nb), dtype=t.float32), q.new_empty((B, Hkv), dtype=t.int32)
+
+
+_metadata_op = define_op("prr_block_metadata", "(Tensor k_cache, Tensor block_table, Tensor? lengths, int block_size)"
+                         " -> Tensor", impl=_metadata_impl, fake=_metadata_fake)
+_update_op = define_op("prr_update_block_metadata", "(Tensor(a!) meta, Tensor k_cache, Tensor block_table, "
+                       "Tensor start, Tensor end, int block_size) -> ()", impl=_update_impl, fake=_update_fake,
+                       mutates_args=("meta",))
+_scores_op = define_op("prr_block_scores", "(Tensor q, Tensor meta, Tensor? lengths, int block_size, "
+                       "str group_reduce, int keep_first, int keep_last) -> (Tensor, Tensor)", impl=_scores_impl,
+                       fake=_scores_fake)
+
+
+# --------------------------------------------------------------------------------------------------
+# the public functions
+# --------------------------------------------------------------------------------------------------
+def block_metadata(k_cache, block_table, lengths=None, *, block_size, out=None, stream=None):
+    """Quest block metadata of a paged K cache -> ``meta [B, Hkv, Nb, 2, D]`` in k_cache's dtype.
+
+    k_cache:     paged ``[num_pages, P, Hkv, D]`` (float32, float16 or bfloat16 on the CPU; float16 or
+                 bfloat16 with D = 64, 128 or 256 on CUDA), any strides with unit stride along D (as
+                 ``gvr.sparse_attention`` takes it; on CUDA 16-byte aligned with strides in multiples
+                 of 8 elements).
+    block_table: int32 ``[B, max_pages]``: token t of row b is at page ``block_table[b, t // P]``, slot
+                 ``t % P``; pages < 0 or >= num_pages hold no token (skipped, as sparse_attention does).
+    lengths:     int32 ``[B]`` tokens per row (default max_pages * P), each in [0, max_pages * P].
+    block_size:  G tokens per metadata block, a divisor or a multiple of P; Nb = ceil(max_pages * P / G).
+    out:         ``[B, Hkv, Nb, 2, D]`` in k_cache's dtype to write into (any strides, unit along D).
+
+    ``meta[b, h, j, 0, :]`` is the per-channel minimum and ``meta[b, h, j, 1, :]`` the maximum of the
+    keys of head h over block j's tokens ``[j*G, min((j+1)*G, lengths[b]))`` — stored values exactly
+    (compared in IEEE totalOrder: -0 < +0; NaN keys reach the max when positive, the min when
+    negative). A block with no token has min +inf and max -inf. Deterministic, bit for bit, and the
+    same bits on the CPU and on CUDA.
+    """
+    if compiling():
+        _check_traced_stream(stream, "prr.block_metadata")
+        m = _metadata_op.call(k_cache, block_table, lengths, block_size)
+        return m if out is None else out.copy_(m)
+    return _run_metadata(k_cache, block_table, lengths, block_size, out, stream)
+
+
+def update_block_metadata(meta, k_cache, block_table, start, end, *, block_size, stream=None):
+    """Fold the tokens ``[start[b], end[b])`` of each row into ``meta`` in place -> ``meta``.
+
+    meta: from ``block_metadata`` (same k_cache dtype, block table width and block_size); start,
+    end: int32 ``[B]`` in [0, max_pages * P] (a row with end <= start is left as it is). The blocks
+    j in [start // G, ceil(end / G)) take the new tokens: a block starting at or after start is
+    rebuilt from its tokens below end; the block containing start (when start % G != 0) is merged
+    (min/max) with what it holds. Blocks wholly before start, or at or after ceil(end / G), are not
+    touched. So after ``meta = block_metadata(..., lengths=start)``, this call makes meta equal to
+    ``block_metadata(..., lengths=end)`` bit for bit, at the cost of the new tokens only: call it once
+    per decode step with start = the old lengths, end = the new ones. On the device, no host round trip.
+    """
+    if compiling():
+        _check_traced_stream(stream, "prr.update_block_metadata")
+        _update_op.call(meta, k_cache, block_table, start, end, block_size)
+        return meta
+    return _run_update(meta, k_cache, block_table, start, end, block_size, stream)
+
+
+def block_scores(q, meta, lengths=None, *, block_size, group_reduce="max", keep_first=0, keep_last=0, out=None,
+                 stream=None):
+    """Quest block scores -> float32 ``[B, Hkv, Nb]``.
+
+    q:            ``[B, Hq, D]`` in meta's dtype (unit stride along D); Hq a multiple of Hkv; query
+                  head g belongs to KV head g // (Hq // Hkv).
+    meta:         ``[B, Hkv, Nb, 2, D]`` from ``block_metadata``.
+    lengths:      int32 ``[B]`` tokens per row (default Nb * block_size), in [0, Nb * block_size].
+    group_reduce: "max" (default) or "sum": how the scores of a KV head's query heads combine.
+    keep_first, keep_last: the first ``keep_first`` and the last ``keep_last`` valid blocks of each row
+                  score +inf (always selected).
+
+    Per query head g: ``s_g = sum_d max(q[g, d] * max_d, q[g, d] * min_d)`` (Quest's upper bound of q.k
+    over the block's keys) in float32 — each product rounded, no FMA, summed over chunks of 8 channels
+    left to right and then over the chunks by a pairwise tree (the exact order: kernels/gvr_kernels.h),
+    identical on the CPU and on CUDA. Blocks at or past ceil(lengths[b] / block_size), and blocks
+    with no token, score -inf (also inside the keep ranges); then the keep ranges score +inf.
+    """
+    if compiling():
+        _check_traced_stream(stream, "prr.block_scores")
+        s, _ = _scores_op.call(q, meta, lengths, block_size, group_reduce, keep_first, keep_last)
+        return s if out is None else out.copy_(s)
+    return _run_scores(q, meta, lengths, block_size, group_reduce, keep_first, keep_last, out, None, stream)
+
+
+def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", init_blocks=1, local_blocks=2,
+                  out=None, stream=None):
+    """Quest block selection -> int32 ``[B, Hkv, k]``: per (row, KV head) the k best blocks, -1 padded.
+
+    ``block_scores(q, meta, lengths, block_size=..., group_reduce=..., keep_first=init_blocks,
+    keep_last=local_blocks)``, then ``gvr.topk_decode`` over the [B * Hkv, Nb] scores with the row
+    lengths ceil(lengths[b] / block_size) (one kernel chain on the device, no host round trip):
+    min(k, valid blocks) distinct block numbers (the first ``init_blocks`` and the last
+    ``local_blocks`` valid blocks always among them when k allows; ties, the +inf ones included, go to
+    the lower block number), then -1. The order within a row is unspecified (a set). The result is
+    the ``indices`` that ``gvr.sparse_attention(q, K, V, indices, block_table=..., lengths=...,
+    block_size=block_size)`` takes (Hsel = Hkv). Blocks with no token (pages out of range) score
+    -inf and come last.
+    """
+    if compiling():
+        _check_traced_stream(stream, "prr.select_blocks")
+        _check_blocks(init_blocks, "init_blocks")
+        _check_blocks(local_blocks, "local_blocks")
+        B, Hkv, Nb = meta.shape[:3]
+        s, c = _scores_op.call(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks)
+        r = topk_decode(s.reshape(B * Hkv, Nb), k, lengths=c.reshape(B * Hkv)).reshape(B, Hkv, k)
+        return r if out is None else out.copy_(r)
+    return _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream)

@@ -1,0 +1,187 @@
+"""GPU tests for gvr.prr's EMA predictor and calibration (kernels/prr/ema.cu) against the C CPU path
+(which test_prr_ema.py checks against NumPy): the state bit for bit (every float32 operation is
+__fmul_rn / __fadd_rn / __fsub_rn, in the C path's order), the predicted selections exactly, the
+calibration's hit rates bit for bit (canonical float64 sums) and so its choice, CUDA-graph capture of
+predict + update, the calibration time at T = 4096, Nb = 2048 (<= 1 ms on an H100), bad inputs.
+
+Every test is collected; each is skipped, with the reason, where torch with a CUDA device or gvr's
+CUDA library is missing (conftest.py, harness.gpu_skip_reason).
+"""
+import time
+
+import numpy as np
+import pytest
+
+from gvr import data
+from gvr._prr_ema import EMAPredictor, calibrate, calibration_hit_rates
+from harness import torch_or_none
+
+torch = torch_or_none()
+
+pytestmark = pytest.mark.gpu
+F = np.float32
+
+
+def _bits(x):
+    x = x.cpu().numpy() if torch is not None and isinstance(x, torch.Tensor) else np.asarray(x)
+    return x.view(np.uint32) if x.dtype == np.float32 else x
+
+
+def _same(a, b):
+    a, b = _bits(a), _bits(b)
+    return a.shape == b.shape and np.array_equal(a, b)
+
+
+def _sets(x):
+    x = x.cpu().numpy() if isinstance(x, torch.Tensor) else x
+    return np.sort(x, axis=-1)
+
+
+@pytest.mark.parametrize("N", [37, 2048, 9000])
+@pytest.mark.parametrize("params", [(0.5, 0.5, 0.5), (1 / 6, 5 / 6, 1.0), (0.9, 0.3, 0.0)])
+def test_state_and_predictions_equal_the_cpu(N, params):
+    rng = np.random.default_rng(N)
+    max_batch, H, k = 3, 4, 16
+    gpu = EMAPredictor(max_batch, H, N, alpha=params[0], beta=params[1], phi=params[2], device="cuda")
+    cpu = EMAPredictor(max_batch, H, N, alpha=params[0], beta=params[1], phi=params[2])
+    nb = np.array([0, N // 3, N - 5 if N > 5 else N], np.int32)[:2]  # B = 2 < max_batch
+    for step in range(12):
+        nbt = torch.from_numpy(nb).cuda()
+        g = gpu.predict(k, nbt)
+        c = cpu.predict(k, nb)
+        assert g.is_cuda and g.dtype == torch.int32 and g.shape == (2, H, k)
+        assert np.array_equal(_sets(g), _sets(c)), step
+        gp, gl = gpu.predicted_scores(nbt)
+        cp, cl = cpu.predicted_scores(nb)
+        assert _same(gp, cp) and _same(gl, cl)
+        s = (rng.standard_normal((2, H, N)) * 2).astype(F)
+        s[rng.random(s.shape) < 0.03] = -np.inf
+        s[rng.random(s.shape) < 0.01] = np.nan
+        gpu.update(torch.from_numpy(s).cuda(), nbt)
+        cpu.update(s, nb)
+        torch.cuda.synchronize()
+        assert _same(gpu.level[:2], cpu.level[:2]) and _same(gpu.trend[:2], cpu.trend[:2])
+        assert _same(gpu.known[:2], cpu.known[:2])
+        nb = np.minimum(nb + rng.integers(0, 4, nb.size), N).astype(np.int32)
+    gpu.reset([1])
+    cpu.reset([1])
+    assert _same(gpu.known, cpu.known)
+
+
+def test_device_nblocks_out_of_range_are_clamped():
+    gpu = EMAPredictor(2, 1, 8, device="cuda")
+    cpu = EMAPredictor(2, 1, 8)
+    s = np.arange(16, dtype=F).reshape(2, 1, 8)
+    gpu.update(torch.from_numpy(s).cuda(), torch.tensor([99, -3], dtype=torch.int32, device="cuda"))
+    cpu.update(s, np.array([8, 0], np.int32))
+    torch.cuda.synchronize()
+    assert _same(gpu.level, cpu.level) and _same(gpu.known, cpu.known)
+
+
+@pytest.mark.parametrize("case", [
+    ("trace", 64, 300, 16), ("trace", 200, 2048, 64), ("trace", 50, 5000, 100), ("trace", 20, 8192, 8),
+    ("integers", 40, 64, 7), ("masked", 40, 100, 9), ("k>N", 10, 6, 9), ("constant", 30, 50, 5),
+])
+def test_calibration_equals_the_cpu(case):
+    kind, T, N, k = case
+    rng = np.random.default_rng(T + N)
+    if kind in ("trace", "k>N"):
+        x = data.block_score_trace(T, N, seed=T)
+    elif kind == "integers":
+        x = rng.integers(0, 4, (T, N)).astype(F)
+    elif kind == "masked":
+        x = rng.standard_normal((T, N)).astype(F)
+        x[rng.random(x.shape) < 0.3] = -np.inf
+        x[2, :5] = np.nan
+        x[4] = -np.inf
+    else:
+        x = rng.standard_normal((T, N)).astype(F)
+        x[::3] = 1.5
+    pts_c, hc = calibration_hit_rates(x, k)
+    pts_g, hg = calibration_hit_rates(torch.from_numpy(x).cuda(), k)
+    assert pts_c == pts_g
+    assert np.array_equal(hc.view(np.uint64), hg.view(np.uint64)), np.flatnonzero(hc != hg)[:10]
+    assert calibrate(torch.from_numpy(x).cuda(), k) == calibrate(x, k)
+
+
+def test_calibration_strided_rows_and_repeatability():
+    x = data.block_score_trace(64, 512, seed=9)
+    big = torch.zeros(64, 600, device="cuda")
+    big[:, 7:519] = torch.from_numpy(x).cuda()
+    view = big[:, 7:519]
+    a = calibration_hit_rates(view, 32)[1]
+    b = calibration_hit_rates(view, 32)[1]
+    assert np.array_equal(a, b) and np.array_equal(a, calibration_hit_rates(x, 32)[1])
+
+
+def test_cuda_graph_capture_of_predict_and_update_replays_the_eager_steps():
+    rng = np.random.default_rng(3)
+    B, H, N, k = 2, 4, 300, 12
+    steps = [torch.from_numpy((rng.standard_normal((B, H, N))).astype(F)).cuda() for _ in range(6)]
+    nbs = [torch.tensor([100 + 10 * t, 50 + 20 * t], dtype=torch.int32, device="cuda") for t in range(6)]
+    eager = EMAPredictor(B, H, N, alpha=0.4, beta=0.3, phi=0.75, device="cuda")
+    want = []
+    for s, nb in zip(steps, nbs):
+        want.append(eager.predict(k, nb).clone())
+        eager.update(s, nb)
+
+    pr = EMAPredictor(B, H, N, alpha=0.4, beta=0.3, phi=0.75, device="cuda")
+    s_buf, nb_buf = torch.zeros_like(steps[0]), torch.zeros_like(nbs[0])
+    out = torch.empty(B, H, k, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (loads the library, the Top-K kernels' attributes)
+        pr.predict(k, nb_buf, out=out)
+        pr.update(s_buf, nb_buf)
+    torch.cuda.current_stream().wait_stream(side)
+    pr.reset()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        pr.predict(k, nb_buf, out=out)
+        pr.update(s_buf, nb_buf)
+    pr.reset()  # the capture ran nothing; start from an empty state
+    addrs = (pr.level.data_ptr(), pr.trend.data_ptr(), pr.known.data_ptr())
+    for t, (s, nb) in enumerate(zip(steps, nbs)):
+        s_buf.copy_(s)
+        nb_buf.copy_(nb)
+        g.replay()
+        torch.cuda.synchronize()
+        assert np.array_equal(_sets(out), _sets(want[t])), t
+    assert addrs == (pr.level.data_ptr(), pr.trend.data_ptr(), pr.known.data_ptr())
+    assert _same(pr.level, eager.level) and _same(pr.trend, eager.trend)
+
+
+def test_torch_compile_of_a_decode_step():
+    pr = EMAPredictor(1, 2, 64, device="cuda")
+    ref = EMAPredictor(1, 2, 64, device="cuda")
+    nb = torch.tensor([64], dtype=torch.int32, device="cuda")
+    out = torch.empty(1, 2, 8, dtype=torch.int32, device="cuda")
+
+    def step(s):
+        pr.predict(8, nb, out=out)
+        pr.update(s, nb)
+        return out
+
+    f = torch.compile(step, fullgraph=True, backend="eager")
+    for i in range(3):
+        s = torch.randn(1, 2, 64, device="cuda")
+        got = f(s).clone()
+        want = ref.predict(8, nb)
+        ref.update(s, nb)
+        assert np.array_equal(_sets(got), _sets(want)), i
+    assert _same(pr.level, ref.level)
+
+
+def test_bad_inputs_on_cuda():
+    pr = EMAPredictor(2, 2, 8, device="cuda")
+    with pytest.raises(ValueError, match="nblocks"):
+        pr.predict(2, np.array([8, 8], np.int32))  # host nblocks on a CUDA predictor
+    with pytest.raises(ValueError, match="nblocks"):
+        pr.predict(2, torch.tensor([8, 8], dtype=torch.int32))
+    nb = torch.tensor([8, 8], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="scores"):
+        pr.update(torch.zeros(2, 2, 8), nb)  # CPU scores for CUDA state
+    with pytest.raises(ValueError, match="prefill_scores"):
+        calibrate(torch.zeros(4, 9000, device="cuda"), 4)
+    with pytest.raises(TypeError, match="prefill_scores"):
+        calibrate(torch.zeros(4, 10, device="cuda", dtype=torch.float16), 4)

@@ -1,0 +1,472 @@
+"""gvr.prr's selection stage on the CPU (block_metadata, update_block_metadata, block_scores,
+select_blocks), against the independent NumPy references of prr_select_reference.py.
+
+Metadata is exact (min / max of stored values): compared bit for bit. Scores are held to the float64
+reference within fp32 rounding (a bound of D ulps of the terms' magnitude), and bit for bit to a
+float32 NumPy emulation of the documented summation order. Selections are compared as sets with an
+argsort-based Top-K (ties to the lower block number).
+
+float32 and float16 run through NumPy; bfloat16 through torch CPU tensors.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import gvr
+from gvr import _prr_select as prr
+from harness import torch_or_none
+from prr_select_reference import (
+    as_f64, make_case, metadata_ref, scores_abs, scores_order_f32, scores_ref, select_ref, to_numpy, valid_blocks,
+)
+
+torch = torch_or_none()
+needs_torch = pytest.mark.skipif(torch is None, reason="bfloat16 CPU inputs and torch ops need torch")
+DTYPES = ["float32", "float16", pytest.param("bfloat16", marks=needs_torch)]
+PG = [(16, 16), (16, 64), (64, 16), (8, 32), (32, 8), (1, 4), (4, 1), (16, 48)]
+
+
+def meta_of(c, fw="auto", **kw):
+    k, bt, ln, _ = c.args(fw)
+    return prr.block_metadata(k, bt, ln, block_size=c.block_size, **kw)
+
+
+def bits(x):
+    """the raw bits of a float array (NumPy or torch), as unsigned ints"""
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy().view(np.uint16)
+        x = x.numpy()
+    x = np.ascontiguousarray(x)
+    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize])
+
+
+def check_scores(got, q, meta, lengths, G, **kw):
+    ref = scores_ref(q, meta, lengths, G, **kw)
+    got = to_numpy(got).astype(np.float64)
+    assert got.shape == ref.shape
+    inf = np.isinf(ref)
+    assert np.array_equal(got[inf], ref[inf]), "masked / kept blocks differ"
+    D = to_numpy(q).shape[-1]
+    bound = scores_abs(q, meta) * (D + 4) * 2.0**-24 + 1e-30
+    with np.errstate(invalid="ignore"):
+        err = np.abs(got - ref)
+    bad = ~inf & ~(err <= bound)
+    assert not bad.any(), f"scores off at {np.argwhere(bad)[:5]}: got {got[bad][:5]}, ref {ref[bad][:5]}"
+    # the documented order, bit for bit
+    want = scores_order_f32(q, meta, lengths, G, **kw)
+    assert np.array_equal(bits(to_numpy(got).astype(np.float32)), bits(want)), "not the documented summation order"
+
+
+# --------------------------------------------------------------------------------------------------
+# block_metadata
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("P,G", PG, ids=[f"P{p}-G{g}" for p, g in PG])
+def test_metadata_against_reference(P, G, dtype):
+    if G % P and P % G:
+        G = P * 2
+    rng = np.random.default_rng(P * 100 + G)
+    c = make_case(rng, B=5, Hkv=2, D=12, P=P, G=G, max_pages=max(2, 96 // P), dtype=dtype, bad_pages=0.1)
+    m = meta_of(c)
+    assert m.shape == (5, 2, c.shape["Nb"], 2, 12) and m.dtype == c.k_cache.dtype
+    ref = metadata_ref(c.k_cache, c.block_table, c.lengths, G)
+    assert np.array_equal(as_f64(m), ref)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_metadata_layouts_and_head_dims(layout, dtype):
+    rng = np.random.default_rng(3)
+    for D in (1, 7, 64, 128):
+        c = make_case(rng, B=3, Hkv=3, D=D, P=16, G=32, max_pages=5, dtype=dtype, layout=layout)
+        ref = metadata_ref(c.k_cache, c.block_table, c.lengths, 32)
+        assert np.array_equal(as_f64(meta_of(c)), ref)
+
+
+def test_metadata_empty_blocks_and_lengths_default():
+    rng = np.random.default_rng(4)
+    c = make_case(rng, B=3, D=8, P=4, G=8, max_pages=6, lengths=[0, 24, 5])
+    c.block_table[1, 2:4] = -1  # block 1 of row 1: both its pages out of range
+    m = as_f64(meta_of(c))
+    assert np.all(m[0, :, :, 0] == np.inf) and np.all(m[0, :, :, 1] == -np.inf)
+    assert np.all(m[1, :, 1, 0] == np.inf) and np.all(m[1, :, 1, 1] == -np.inf)
+    assert np.all(np.isfinite(m[1, :, 0])) and np.all(np.isfinite(m[1, :, 2]))
+    assert np.all(m[2, :, 1:, 0] == np.inf)
+    full = prr.block_metadata(c.k_cache, c.block_table, block_size=8)
+    assert np.array_equal(as_f64(full), metadata_ref(c.k_cache, c.block_table, None, 8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_metadata_signed_zero_and_nan_are_total_order(dtype):
+    k = np.zeros((2, 4, 1, 4), dtype)
+    k[0, :, 0, 0] = [0.0, -0.0, 0.0, 0.0]    # channel 0: -0 is the min, +0 the max
+    k[0, :, 0, 1] = [-0.0, -0.0, -0.0, -0.0]  # all -0
+    k[0, :, 0, 2] = [1.0, np.nan, -2.0, 3.0]  # positive NaN: above +inf (the max)
+    k[0, :, 0, 3] = [1.0, -np.nan, -2.0, 3.0]  # negative NaN: below -inf (the min)
+    bt = np.array([[0]], np.int32)
+    m = prr.block_metadata(k, bt, block_size=4)[0, 0, 0]
+    assert np.signbit(m[0, 0]) and not np.signbit(m[1, 0]) and m[0, 0] == 0 and m[1, 0] == 0
+    assert np.signbit(m[0, 1]) and np.signbit(m[1, 1])
+    assert m[0, 2] == -2 and np.isnan(m[1, 2])
+    assert np.isnan(m[0, 3]) and m[1, 3] == 3
+    # NaN payloads are kept: bits of the stored value
+    assert bits(m[1, 2:3])[0] == bits(k[0, 1, 0, 2:3])[0]
+
+
+def test_metadata_out_argument_and_strides():
+    rng = np.random.default_rng(5)
+    c = make_case(rng, B=2, D=8, P=8, G=8, max_pages=4)
+    Nb = c.shape["Nb"]
+    big = np.full((2, 2, Nb, 3, 16), 7.0, np.float32)
+    out = big[:, :, :, 1:, :8]  # strided view
+    r = prr.block_metadata(c.k_cache, c.block_table, c.lengths, block_size=8, out=out)
+    assert r is out
+    assert np.array_equal(as_f64(out), metadata_ref(c.k_cache, c.block_table, c.lengths, 8))
+    assert np.all(big[:, :, :, 0] == 7.0) and np.all(big[..., 8:] == 7.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# update_block_metadata
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("P,G", [(16, 16), (4, 16), (16, 4), (8, 24)], ids=["P16-G16", "P4-G16", "P16-G4", "P8-G24"])
+def test_update_equals_rebuild(P, G, dtype):
+    rng = np.random.default_rng(P + G)
+    c = make_case(rng, B=4, D=10, P=P, G=G, max_pages=max(3, 64 // P), dtype=dtype, bad_pages=0.1, lengths="full")
+    k, bt, _, _ = c.args()
+    cap = c.shape["max_pages"] * P
+    cur = np.array([0, 3, G, cap // 2], np.int32)
+    meta = prr.block_metadata(k, bt, cur.copy(), block_size=G)
+    steps = [1, 1, G - 1, 2, 0, G + 3, 1, 5 * G, cap]
+    for step in steps:
+        new = np.minimum(cur + np.array([step, step, 1, 2 * step]), cap).astype(np.int32)
+        r = prr.update_block_metadata(meta, k, bt, cur, new, block_size=G)
+        assert r is meta
+        want = prr.block_metadata(k, bt, new, block_size=G)
+        assert np.array_equal(bits(meta), bits(want)), f"step {step}: update != rebuild"
+        cur = new
+
+
+def test_update_touches_only_its_blocks():
+    rng = np.random.default_rng(8)
+    G = 8
+    c = make_case(rng, B=3, D=8, P=4, G=G, max_pages=10, lengths="full")
+    Nb = c.shape["Nb"]
+    meta = np.full((3, 2, Nb, 2, 8), 5.0, np.float32)
+    meta[..., 0, :] = -5.0  # a non-empty content: merged into the partial block
+    start = np.array([3, 8, 20], np.int32)
+    end = np.array([3, 17, 21], np.int32)  # row 0: nothing; row 1: blocks 1, 2; row 2: block 2 only
+    prr.update_block_metadata(meta, c.k_cache, c.block_table, start, end, block_size=G)
+    assert np.all(meta[0] == np.where(np.arange(2)[:, None] == 0, -5.0, 5.0)[None, None])
+    untouched = {1: [0] + list(range(3, Nb)), 2: [0, 1] + list(range(3, Nb))}
+    for b, blocks in untouched.items():
+        assert np.all(meta[b, :, blocks, 0] == -5.0) and np.all(meta[b, :, blocks, 1] == 5.0)
+    # row 1, block 1 rebuilt from tokens 8..15; block 2 from token 16 alone
+    ref = metadata_ref(c.k_cache, c.block_table, np.array([0, 17, 0]), G)
+    assert np.array_equal(meta[1, :, 1:3], ref[1, :, 1:3])
+    # row 2, block 2 (tokens 16..23) holds start 20: merged with its content (-5, 5) and token 20
+    tok = metadata_ref(c.k_cache, c.block_table, np.array([0, 0, 21]), G)  # tokens 16..20 of block 2
+    assert np.all(meta[2, :, 2, 0] == -5.0) and np.all(meta[2, :, 2, 1] == 5.0)
+    assert np.all(tok[2, :, 2, 0] > -5.0)
+
+
+def test_update_of_an_empty_partial_block_takes_the_new_tokens():
+    rng = np.random.default_rng(9)
+    c = make_case(rng, B=1, D=8, P=4, G=8, max_pages=4, lengths="full")
+    meta = prr.block_metadata(c.k_cache, c.block_table, np.array([0], np.int32), block_size=8)
+    prr.update_block_metadata(meta, c.k_cache, c.block_table, np.array([5], np.int32), np.array([7], np.int32),
+                              block_size=8)
+    k = as_f64(c.k_cache)
+    rows = np.stack([k[c.block_table[0, t // 4], t % 4] for t in (5, 6)])
+    assert np.array_equal(meta[0, :, 0, 0], rows.min(0)) and np.array_equal(meta[0, :, 0, 1], rows.max(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# block_scores
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [1, 8, 13, 64, 200])
+@pytest.mark.parametrize("GQ", [1, 4])
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_scores_against_reference(D, GQ, reduce, dtype):
+    rng = np.random.default_rng(D * 10 + GQ)
+    c = make_case(rng, B=4, Hkv=2, GQ=GQ, D=D, P=8, G=16, max_pages=8, dtype=dtype, bad_pages=0.1)
+    _, _, ln, q = c.args()
+    meta = meta_of(c)
+    s = prr.block_scores(q, meta, ln, block_size=16, group_reduce=reduce)
+    assert s.shape == (4, 2, c.shape["Nb"])
+    check_scores(s, q, meta, ln, 16, group_reduce=reduce)
+
+
+@pytest.mark.parametrize("kf,kl", [(0, 0), (1, 2), (3, 0), (0, 5), (100, 100)])
+def test_scores_keep_first_and_last(kf, kl):
+    rng = np.random.default_rng(11)
+    c = make_case(rng, B=6, GQ=2, D=16, P=4, G=8, max_pages=12, bad_pages=0.15)
+    meta = meta_of(c)
+    s = prr.block_scores(c.q, meta, c.lengths, block_size=8, keep_first=kf, keep_last=kl)
+    check_scores(s, c.q, meta, c.lengths, 8, keep_first=kf, keep_last=kl)
+    nb = valid_blocks(c.lengths, 6, c.shape["Nb"], 8)
+    empty = as_f64(meta)[..., 0, 0] > as_f64(meta)[..., 1, 0]
+    for b in range(6):
+        for j in range(c.shape["Nb"]):
+            want_inf = j < nb[b] and (j < kf or j >= nb[b] - kl)
+            for h in range(2):
+                if j >= nb[b] or empty[b, h, j]:
+                    assert s[b, h, j] == -np.inf
+                else:
+                    assert (s[b, h, j] == np.inf) == want_inf
+
+
+def test_scores_lengths_default_and_out():
+    rng = np.random.default_rng(12)
+    c = make_case(rng, B=2, GQ=3, D=16, P=8, G=8, max_pages=4, lengths="full")
+    meta = meta_of(c)
+    out = np.full((2, 2, c.shape["Nb"] + 3), 9.0, np.float32)[:, :, 1:-2]
+    r = prr.block_scores(c.q, meta, block_size=8, out=out)
+    assert r is out
+    check_scores(out, c.q, meta, None, 8)
+
+
+def test_scores_nan_and_zero_queries():
+    rng = np.random.default_rng(13)
+    c = make_case(rng, B=2, GQ=2, D=8, P=4, G=4, max_pages=4, lengths="full")
+    meta = meta_of(c)
+    q = np.array(c.q)
+    q[0] = 0.0
+    q[1, 0, 3] = np.nan
+    s = prr.block_scores(q, meta, block_size=4, group_reduce="max")
+    assert np.all(s[0] == 0.0)
+    assert np.all(np.isnan(s[1, 0]))  # NaN propagates through max over the group
+    s = prr.block_scores(q, meta, block_size=4, group_reduce="max", keep_first=1)
+    assert np.all(s[1, 0, 0] == np.inf) and np.all(np.isnan(s[1, 0, 1:]))
+
+
+# --------------------------------------------------------------------------------------------------
+# select_blocks
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [0, 1, 3, 8, 40])
+def test_select_blocks_is_topk_of_the_scores(k, dtype):
+    rng = np.random.default_rng(20 + k)
+    c = make_case(rng, B=5, Hkv=2, GQ=4, D=16, P=8, G=8, max_pages=8, dtype=dtype, bad_pages=0.05)
+    _, _, ln, q = c.args()
+    meta = meta_of(c)
+    for init, local, reduce in ((1, 2, "max"), (0, 0, "sum"), (3, 1, "max")):
+        sel = prr.select_blocks(q, meta, k, ln, block_size=8, init_blocks=init, local_blocks=local,
+                                group_reduce=reduce)
+        assert sel.shape == (5, 2, k) and to_numpy(sel).dtype == np.int32
+        s = prr.block_scores(q, meta, ln, block_size=8, keep_first=init, keep_last=local, group_reduce=reduce)
+        want = select_ref(to_numpy(s), valid_blocks(c.lengths, 5, c.shape["Nb"], 8), k)
+        got = np.sort(np.where(to_numpy(sel) < 0, np.iinfo(np.int32).max, to_numpy(sel)), axis=-1)
+        got = np.where(got == np.iinfo(np.int32).max, -1, got)
+        assert np.array_equal(got, want)
+
+
+def test_select_blocks_ties_go_to_the_lower_block():
+    rng = np.random.default_rng(21)
+    c = make_case(rng, B=2, GQ=2, D=8, P=4, G=4, max_pages=10, lengths=[40, 23])
+    meta = meta_of(c)
+    q = np.zeros_like(c.q)  # every score 0: a tie everywhere
+    sel = prr.select_blocks(q, meta, 4, c.lengths, block_size=4, init_blocks=0, local_blocks=1)
+    assert [sorted(r) for r in sel[0]] == [[0, 1, 2, 9]] * 2
+    assert [sorted(r) for r in sel[1]] == [[0, 1, 2, 5]] * 2
+
+
+def test_select_blocks_always_keeps_first_and_local_blocks():
+    rng = np.random.default_rng(22)
+    c = make_case(rng, B=4, GQ=2, D=16, P=8, G=8, max_pages=16, lengths=[128, 77, 9, 64])
+    meta = meta_of(c)
+    sel = prr.select_blocks(c.q, meta, 6, c.lengths, block_size=8, init_blocks=1, local_blocks=2)
+    nb = valid_blocks(c.lengths, 4, c.shape["Nb"], 8)
+    for b in range(4):
+        for h in range(2):
+            row = set(int(x) for x in sel[b, h] if x >= 0)
+            assert len(row) == min(6, nb[b])
+            assert {0, nb[b] - 1, nb[b] - 2} & set(range(nb[b])) <= row
+
+
+def test_select_blocks_feed_sparse_attention():
+    from attention_reference import sparse_attention_ref
+
+    rng = np.random.default_rng(23)
+    c = make_case(rng, B=3, Hkv=2, GQ=2, D=16, P=8, G=16, max_pages=8, lengths=[64, 37, 1])
+    meta = meta_of(c)
+    v = rng.standard_normal(c.k_cache.shape).astype(np.float32)
+    sel = prr.select_blocks(c.q, meta, 3, c.lengths, block_size=16)
+    kw = dict(block_table=c.block_table, lengths=c.lengths, block_size=16)
+    o, l = gvr.sparse_attention(c.q, c.k_cache, v, sel, **kw)
+    ro, rl = sparse_attention_ref(c.q, c.k_cache, v, sel, **kw)
+    assert np.allclose(o, ro, rtol=1e-5, atol=1e-5) and np.allclose(l, rl, rtol=1e-5, atol=1e-5)
+    # every valid block selected: attention over the whole row
+    allb = prr.select_blocks(c.q, meta, c.shape["Nb"], c.lengths, block_size=16)
+    o2, l2 = gvr.sparse_attention(c.q, c.k_cache, v, allb, **kw)
+    dense = np.broadcast_to(np.arange(c.shape["Nb"], dtype=np.int32), (3, 2, c.shape["Nb"])).copy()
+    o3, l3 = gvr.sparse_attention(c.q, c.k_cache, v, dense, **kw)
+    assert np.allclose(o2, o3, rtol=1e-5, atol=1e-6) and np.allclose(l2, l3, rtol=1e-5, atol=1e-6)
+
+
+def test_select_blocks_out_argument():
+    rng = np.random.default_rng(24)
+    c = make_case(rng, B=2, GQ=2, D=8, P=4, G=4, max_pages=6)
+    meta = meta_of(c)
+    want = prr.select_blocks(c.q, meta, 3, c.lengths, block_size=4)
+    out = np.full((2, 2, 3), 99, np.int32)
+    assert prr.select_blocks(c.q, meta, 3, c.lengths, block_size=4, out=out) is out
+    assert np.array_equal(out, want)
+    big = np.full((2, 2, 6), 99, np.int32)
+    strided = big[:, :, ::2]  # not contiguous: written through a copy
+    assert prr.select_blocks(c.q, meta, 3, c.lengths, block_size=4, out=strided) is strided
+    assert np.array_equal(strided, want) and np.all(big[:, :, 1::2] == 99)
+
+
+# --------------------------------------------------------------------------------------------------
+# frameworks, threads, ops
+# --------------------------------------------------------------------------------------------------
+@needs_torch
+def test_torch_in_torch_out_numpy_in_numpy_out():
+    rng = np.random.default_rng(30)
+    c = make_case(rng, B=2, GQ=2, D=8, P=4, G=8, max_pages=4)
+    m_np = meta_of(c, "numpy")
+    assert isinstance(m_np, np.ndarray)
+    k, bt, ln, q = c.args("torch")
+    m_t = prr.block_metadata(k, bt, ln, block_size=8)
+    assert isinstance(m_t, torch.Tensor) and m_t.dtype == torch.float32
+    assert np.array_equal(m_t.numpy(), m_np)
+    s_np = prr.block_scores(c.q, m_np, c.lengths, block_size=8)
+    s_t = prr.block_scores(q, m_t, ln, block_size=8)
+    assert isinstance(s_np, np.ndarray) and isinstance(s_t, torch.Tensor) and s_t.dtype == torch.float32
+    assert np.array_equal(s_t.numpy(), s_np)
+    sel_np = prr.select_blocks(c.q, m_np, 2, c.lengths, block_size=8)
+    sel_t = prr.select_blocks(q, m_t, 2, ln, block_size=8)
+    assert isinstance(sel_np, np.ndarray) and isinstance(sel_t, torch.Tensor) and sel_t.dtype == torch.int32
+    assert np.array_equal(sel_t.numpy(), sel_np)
+    r = prr.update_block_metadata(m_t, k, bt, ln, torch.full_like(ln, 16), block_size=8)
+    assert r is m_t
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    rng = np.random.default_rng(31)
+    c = make_case(rng, B=4, Hkv=8, GQ=2, D=64, P=16, G=16, max_pages=64, lengths="full")
+    n0 = gvr._C.get_num_threads()
+    try:
+        res = []
+        for n in (1, 3):
+            gvr._C.set_num_threads(n)
+            m = meta_of(c)
+            res.append((m, prr.block_scores(c.q, m, block_size=16)))
+    finally:
+        gvr._C.set_num_threads(0 if n0 is None else n0)
+    assert np.array_equal(bits(res[0][0]), bits(res[1][0])) and np.array_equal(bits(res[0][1]), bits(res[1][1]))
+
+
+def test_determinism():
+    rng = np.random.default_rng(32)
+    c = make_case(rng, B=3, GQ=4, D=24, P=8, G=16, max_pages=8, dtype="float16")
+    first = None
+    for _ in range(5):
+        m = meta_of(c)
+        s = prr.block_scores(c.q, m, c.lengths, block_size=16, group_reduce="sum")
+        sel = prr.select_blocks(c.q, m, 4, c.lengths, block_size=16)
+        now = (bits(m), bits(s), sel)
+        if first is None:
+            first = now
+        assert all(np.array_equal(a, b) for a, b in zip(first, now))
+
+
+OPS = ["prr_block_metadata", "prr_update_block_metadata", "prr_block_scores"]
+
+
+@needs_torch
+def test_opcheck_cpu():
+    rng = np.random.default_rng(33)
+    c = make_case(rng, B=2, GQ=2, D=8, P=4, G=8, max_pages=4)
+    k, bt, ln, q = c.args("torch")
+    for name in OPS:
+        assert hasattr(torch.ops.gvr, name), name
+    meta = prr.block_metadata(k, bt, ln, block_size=8)
+    torch.library.opcheck(torch.ops.gvr.prr_block_metadata.default, (k, bt, ln, 8))
+    torch.library.opcheck(torch.ops.gvr.prr_block_metadata.default, (k, bt, None, 4))
+    torch.library.opcheck(torch.ops.gvr.prr_update_block_metadata.default,
+                          (meta.clone(), k, bt, ln // 2, ln, 8))
+    torch.library.opcheck(torch.ops.gvr.prr_block_scores.default, (q, meta, ln, 8, "max", 1, 2))
+    torch.library.opcheck(torch.ops.gvr.prr_block_scores.default, (q, meta, None, 8, "sum", 0, 0))
+    s, n = torch.ops.gvr.prr_block_scores(q, meta, ln, 8, "max", 1, 2)
+    assert torch.equal(s, prr.block_scores(q, meta, ln, block_size=8, keep_first=1, keep_last=2))
+    assert n.tolist() == [[(int(x) + 7) // 8] * 2 for x in ln]
+
+
+def _select_step(k, bt, start, end, q, meta):
+    prr.update_block_metadata(meta, k, bt, start, end, block_size=8)
+    return prr.select_blocks(q * 1.0, meta, 3, end, block_size=8), prr.block_scores(q, meta, end, block_size=8)
+
+
+@needs_torch
+def test_compile_aot_eager_matches_eager():
+    torch._dynamo.reset()
+    rng = np.random.default_rng(34)
+    c = make_case(rng, B=2, GQ=2, D=8, P=4, G=8, max_pages=6, lengths="full")
+    k, bt, _, q = c.args("torch")
+    start, end = torch.tensor([3, 9], dtype=torch.int32), torch.tensor([17, 24], dtype=torch.int32)
+    m0 = prr.block_metadata(k, bt, start, block_size=8)
+    m1 = m0.clone()
+    want = _select_step(k, bt, start, end, q, m0)
+    got = torch.compile(_select_step, fullgraph=True, backend="aot_eager")(k, bt, start, end, q, m1)
+    assert torch.equal(m0, m1)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+# --------------------------------------------------------------------------------------------------
+# bad input
+# --------------------------------------------------------------------------------------------------
+def _raises(exc, name, fn, *args, **kw):
+    with pytest.raises(exc, match=rf"\b{re.escape(name)}\b"):
+        fn(*args, **kw)
+
+
+def test_bad_inputs_are_named_and_nothing_is_modified():
+    rng = np.random.default_rng(40)
+    c = make_case(rng, B=2, GQ=2, D=8, P=4, G=8, max_pages=4)
+    k, bt, ln, q = c.k_cache, c.block_table, c.lengths, c.q
+    meta = prr.block_metadata(k, bt, ln, block_size=8)
+    snap = [x.copy() for x in (k, bt, ln, q, meta)]
+    bm, up, bs, sb = prr.block_metadata, prr.update_block_metadata, prr.block_scores, prr.select_blocks
+    # block_metadata
+    _raises(TypeError, "block_size", bm, k, bt, ln, block_size=None)
+    _raises(ValueError, "block_size", bm, k, bt, ln, block_size=0)
+    _raises(ValueError, "block_size", bm, k, bt, ln, block_size=6)
+    _raises(TypeError, "block_table", bm, k, bt.astype(np.int64), ln, block_size=8)
+    _raises(TypeError, "k_cache", bm, k.astype(np.float64), bt, ln, block_size=8)
+    _raises(ValueError, "k_cache", bm, k[..., 0], bt, ln, block_size=8)
+    _raises(ValueError, "lengths", bm, k, bt, np.array([1, 17], np.int32), block_size=8)
+    _raises(ValueError, "lengths", bm, k, bt, np.array([1, -1], np.int32), block_size=8)
+    _raises(ValueError, "lengths", bm, k, bt, np.array([1, 2, 3], np.int32), block_size=8)
+    _raises(ValueError, "out", bm, k, bt, ln, block_size=8, out=np.empty((2, 2, 3, 2, 8), np.float32))
+    _raises(TypeError, "out", bm, k, bt, ln, block_size=8, out=np.empty((2, 2, 2, 2, 8), np.float16))
+    # update_block_metadata
+    _raises(ValueError, "start", up, meta, k, bt, np.array([0, 17], np.int32), ln, block_size=8)
+    _raises(ValueError, "end", up, meta, k, bt, ln, np.array([0, 99], np.int32), block_size=8)
+    _raises(ValueError, "meta", up, meta[:, :, :1], k, bt, ln, ln, block_size=8)
+    _raises(TypeError, "meta", up, meta.astype(np.float16), k, bt, ln, ln, block_size=8)
+    _raises(ValueError, "meta", up, np.zeros_like(meta)[..., ::2], k, bt, ln, ln, block_size=8)
+    _raises(TypeError, "start", up, meta, k, bt, None, ln, block_size=8)
+    # block_scores / select_blocks
+    _raises(ValueError, "group_reduce", bs, q, meta, ln, block_size=8, group_reduce="mean")
+    _raises(TypeError, "group_reduce", bs, q, meta, ln, block_size=8, group_reduce=1)
+    _raises(ValueError, "keep_first", bs, q, meta, ln, block_size=8, keep_first=-1)
+    _raises(TypeError, "keep_last", bs, q, meta, ln, block_size=8, keep_last=1.5)
+    _raises(TypeError, "meta", bs, q.astype(np.float16), meta, ln, block_size=8)
+    _raises(ValueError, "Hq", bs, q[:, :3], meta, ln, block_size=8)
+    _raises(ValueError, "D", bs, q[..., :4], meta, ln, block_size=8)
+    _raises(ValueError, "lengths", bs, q, meta, np.array([0, 17], np.int32), block_size=8)
+    _raises(TypeError, "out", bs, q, meta, ln, block_size=8, out=np.empty((2, 2, 2), np.float64))
+    _raises(ValueError, "k", sb, q, meta, -1, ln, block_size=8)
+    _raises(TypeError, "k", sb, q, meta, 1.5, ln, block_size=8)
+    _raises(ValueError, "init_blocks", sb, q, meta, 2, ln, block_size=8, init_blocks=-2)
+    _raises(TypeError, "local_blocks", sb, q, meta, 2, ln, block_size=8, local_blocks="2")
+    for a, b in zip(snap, (k, bt, ln, q, meta)):
+        assert np.array_equal(bits(a), bits(b))

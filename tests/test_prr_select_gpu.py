@@ -1,0 +1,320 @@
+"""GPU tests for gvr.prr's selection stage: the CUDA kernels against the C CPU path run on the same
+float16 / bfloat16 inputs (torch CPU tensors). Metadata is exact (min / max of stored values), so
+CUDA and CPU agree bit for bit; block scores follow the documented summation order on both, so they
+agree bit for bit too (and within fp32 rounding of the float64 reference); selections are equal as
+sets. The CUDA path is deterministic, runs on the caller's stream and replays from a CUDA graph.
+
+Every test is collected; each is skipped, with the reason, where torch with a CUDA device or gvr's
+CUDA library is missing (conftest.py, harness.gpu_skip_reason).
+"""
+import numpy as np
+import pytest
+
+from gvr import _prr_select as prr
+from harness import torch_or_none
+from prr_select_reference import make_case, scores_abs, scores_ref, select_ref, to_numpy, valid_blocks
+
+torch = torch_or_none()
+
+pytestmark = pytest.mark.gpu
+DTYPES = ("bfloat16", "float16")
+PG = [(16, 16), (16, 64), (64, 16), (1, 16), (16, 1), (32, 128), (128, 32), (16, 48)]
+
+
+def bits(x):
+    x = x.detach().cpu().contiguous()
+    return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def same_bits(a, b):
+    return torch.equal(bits(a), bits(b))
+
+
+def both_meta(c, **kw):
+    """(CUDA meta, CPU meta) of the same case"""
+    res = []
+    for device in ("cuda", "cpu"):
+        k, bt, ln, _ = c.args("torch", device)
+        res.append(prr.block_metadata(k, bt, ln, block_size=c.block_size, **kw))
+    torch.cuda.synchronize()
+    assert res[0].device.type == "cuda" and res[0].dtype == res[1].dtype
+    return res
+
+
+def check_scores_pair(g, c_, q, meta, lengths, G, **kw):
+    """CUDA scores g against CPU scores c_ (bit for bit) and the float64 reference (fp32 rounding)"""
+    g, c_ = g.cpu(), c_.cpu()
+    ref = scores_ref(q, meta, lengths, G, **kw)
+    got = g.double().numpy()
+    inf = np.isinf(ref)
+    assert np.array_equal(got[inf], ref[inf])
+    D = q.shape[-1]
+    bound = scores_abs(q, meta) * (D + 4) * 2.0**-24 + 1e-30
+    with np.errstate(invalid="ignore"):
+        ok = inf | (np.abs(got - ref) <= bound)
+    assert ok.all(), f"CUDA scores off the reference at {np.argwhere(~ok)[:5]}"
+    assert same_bits(g, c_), "CUDA and CPU scores differ in bits (the documented summation order)"
+
+
+# --------------------------------------------------------------------------------------------------
+# metadata
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("P,G", PG, ids=[f"P{p}-G{g}" for p, g in PG])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_metadata_matches_cpu_bit_for_bit(dtype, P, G, D, layout):
+    rng = np.random.default_rng(P * 7 + G + D)
+    c = make_case(rng, B=5, Hkv=2, D=D, P=P, G=G, max_pages=max(2, 512 // P), dtype=dtype, layout=layout,
+                  bad_pages=0.05)
+    g, cpu = both_meta(c)
+    assert same_bits(g, cpu)
+
+
+def test_metadata_large_context():
+    rng = np.random.default_rng(1)
+    c = make_case(rng, B=2, Hkv=8, D=128, P=16, G=64, max_pages=8192, dtype="bfloat16", lengths=[131072, 100001])
+    g, cpu = both_meta(c)
+    assert same_bits(g, cpu)
+
+
+def test_metadata_signed_zero_and_nan():
+    k = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16)
+    k[0, :, 0, 0] = torch.tensor([0.0, -0.0] * 8)
+    k[0, 3, 0, 1] = float("nan")
+    k[0, 5, 0, 2] = -float("nan")
+    bt = torch.tensor([[0, 1]], dtype=torch.int32)
+    g = prr.block_metadata(k.cuda(), bt.cuda(), block_size=16)
+    c = prr.block_metadata(k, bt, block_size=16)
+    assert same_bits(g, c)
+    assert torch.signbit(c[0, 0, 0, 0, 0]) and not torch.signbit(c[0, 0, 0, 1, 0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("P,G", [(16, 16), (16, 64), (64, 16), (8, 24)], ids=["P16-G16", "P16-G64", "P64-G16", "P8-G24"])
+def test_update_matches_rebuild_and_cpu(dtype, P, G):
+    rng = np.random.default_rng(P + G)
+    c = make_case(rng, B=4, Hkv=4, D=128, P=P, G=G, max_pages=max(4, 1024 // P), dtype=dtype, bad_pages=0.05,
+                  lengths="full")
+    k, bt, _, _ = c.args("torch", "cuda")
+    kc, btc, _, _ = c.args("torch", "cpu")
+    cap = bt.shape[1] * P
+    cur = torch.tensor([0, 3, G, cap // 2], dtype=torch.int32)
+    meta = prr.block_metadata(k, bt, cur.cuda(), block_size=G)
+    meta_c = prr.block_metadata(kc, btc, cur, block_size=G)
+    for step in [1, 1, 1, G - 1, 2, 0, G + 3, 1, 5 * G, 300, cap]:
+        new = torch.clamp(cur + torch.tensor([step, step, 1, 2 * step], dtype=torch.int32), max=cap).to(torch.int32)
+        prr.update_block_metadata(meta, k, bt, cur.cuda(), new.cuda(), block_size=G)
+        prr.update_block_metadata(meta_c, kc, btc, cur, new, block_size=G)
+        want = prr.block_metadata(k, bt, new.cuda(), block_size=G)
+        torch.cuda.synchronize()
+        assert same_bits(meta, want), f"step {step}: CUDA update != CUDA rebuild"
+        assert same_bits(meta, meta_c), f"step {step}: CUDA update != CPU update"
+        cur = new
+
+
+def test_lengths_out_of_range_are_clamped_on_the_gpu():
+    rng = np.random.default_rng(2)
+    c = make_case(rng, B=2, Hkv=2, D=64, P=16, G=16, max_pages=4, dtype="bfloat16", lengths="full")
+    k, bt, ln, q = c.args("torch", "cuda")
+    m = prr.block_metadata(k, bt, torch.tensor([-5, 999], dtype=torch.int32, device="cuda"), block_size=16)
+    want = prr.block_metadata(k, bt, torch.tensor([0, 64], dtype=torch.int32, device="cuda"), block_size=16)
+    assert same_bits(m, want)
+    s = prr.block_scores(q, want, torch.tensor([-5, 999], dtype=torch.int32, device="cuda"), block_size=16)
+    s2 = prr.block_scores(q, want, torch.tensor([0, 64], dtype=torch.int32, device="cuda"), block_size=16)
+    assert same_bits(s, s2)
+
+
+# --------------------------------------------------------------------------------------------------
+# scores and selection
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+@pytest.mark.parametrize("GQ", [1, 4, 8, 32])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scores_match_cpu(dtype, D, GQ, reduce):
+    rng = np.random.default_rng(D + GQ)
+    c = make_case(rng, B=3, Hkv=2, GQ=GQ, D=D, P=16, G=16, max_pages=40, dtype=dtype, bad_pages=0.05)
+    res = []
+    for device in ("cuda", "cpu"):
+        k, bt, ln, q = c.args("torch", device)
+        meta = prr.block_metadata(k, bt, ln, block_size=16)
+        res.append(prr.block_scores(q, meta, ln, block_size=16, group_reduce=reduce, keep_first=1, keep_last=2))
+    torch.cuda.synchronize()
+    _, _, ln, q = c.args("torch", "cpu")
+    check_scores_pair(res[0], res[1], q, meta, ln, 16, group_reduce=reduce, keep_first=1, keep_last=2)
+
+
+@pytest.mark.parametrize("kf,kl", [(0, 0), (1, 2), (4, 0), (100, 100)])
+def test_scores_masks_match_cpu(kf, kl):
+    rng = np.random.default_rng(kf * 10 + kl)
+    c = make_case(rng, B=8, Hkv=2, GQ=4, D=128, P=16, G=64, max_pages=64, dtype="bfloat16", bad_pages=0.2)
+    out = []
+    for device in ("cuda", "cpu"):
+        k, bt, ln, q = c.args("torch", device)
+        meta = prr.block_metadata(k, bt, ln, block_size=64)
+        out.append(prr.block_scores(q, meta, ln, block_size=64, keep_first=kf, keep_last=kl).cpu())
+    assert same_bits(out[0], out[1])
+
+
+@pytest.mark.parametrize("k", [0, 1, 16, 64, 3000])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_select_blocks_matches_cpu(dtype, k):
+    rng = np.random.default_rng(k + 5)
+    c = make_case(rng, B=4, Hkv=4, GQ=4, D=128, P=16, G=64, max_pages=1024, dtype=dtype,
+                  lengths=[16384, 16384 - 63, 4096, 0])
+    res, scores = [], None
+    for device in ("cuda", "cpu"):
+        kk, bt, ln, q = c.args("torch", device)
+        meta = prr.block_metadata(kk, bt, ln, block_size=64)
+        res.append(prr.select_blocks(q, meta, k, ln, block_size=64).cpu())
+        scores = prr.block_scores(q, meta, ln, block_size=64, keep_first=1, keep_last=2).cpu()
+    g, c_ = (torch.sort(torch.where(x < 0, 1 << 30, x), dim=-1).values for x in res)
+    assert torch.equal(g, c_)
+    want = select_ref(scores.numpy(), valid_blocks(c.lengths, 4, scores.shape[-1], 64), k)
+    got = torch.where(g == 1 << 30, -1, g).numpy()
+    assert np.array_equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------------
+# determinism, graphs, streams, compile
+# --------------------------------------------------------------------------------------------------
+def test_determinism_100_calls():
+    rng = np.random.default_rng(7)
+    c = make_case(rng, B=4, Hkv=8, GQ=4, D=128, P=16, G=64, max_pages=512, dtype="bfloat16")
+    k, bt, ln, q = c.args("torch", "cuda")
+    m0 = prr.block_metadata(k, bt, ln, block_size=64)
+    s0 = prr.block_scores(q, m0, ln, block_size=64, group_reduce="sum")
+    sel0 = prr.select_blocks(q, m0, 32, ln, block_size=64)
+    for _ in range(100):
+        m = prr.block_metadata(k, bt, ln, block_size=64)
+        assert same_bits(m, m0)
+        assert same_bits(prr.block_scores(q, m, ln, block_size=64, group_reduce="sum"), s0)
+        assert torch.equal(prr.select_blocks(q, m, 32, ln, block_size=64), sel0)
+
+
+def test_cuda_graph_capture_of_update_and_select_replays_identically():
+    rng = np.random.default_rng(8)
+    c = make_case(rng, B=4, Hkv=8, GQ=4, D=128, P=16, G=64, max_pages=256, dtype="bfloat16", lengths="full")
+    k, bt, _, q = c.args("torch", "cuda")
+    start = torch.tensor([100, 2000, 4095, 63], dtype=torch.int32, device="cuda")
+    end = start + 1
+    meta0 = prr.block_metadata(k, bt, start, block_size=64)
+    static_q = q.clone()
+    meta = meta0.clone()
+    out = torch.empty(4, 8, 16, dtype=torch.int32, device="cuda")
+
+    def step():
+        prr.update_block_metadata(meta, k, bt, start, end, block_size=64)
+        prr.select_blocks(static_q, meta, 16, end, block_size=64, out=out)
+
+    step()  # eager
+    want_meta, want = meta.clone(), out.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        meta.copy_(meta0)
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        meta.copy_(meta0)
+        out.fill_(7)
+        g.replay()
+        torch.cuda.synchronize()
+        assert same_bits(meta, want_meta) and torch.equal(out, want)
+    # new inputs in the static buffers: the replay follows them
+    static_q.copy_(torch.randn_like(static_q))
+    end.add_(5)
+    meta.copy_(meta0)
+    g.replay()
+    torch.cuda.synchronize()
+    got_meta, got = meta.clone(), out.clone()
+    meta.copy_(meta0)
+    step()
+    torch.cuda.synchronize()
+    assert same_bits(got_meta, meta) and torch.equal(got, out)
+
+
+def test_non_default_stream_and_stream_argument():
+    rng = np.random.default_rng(9)
+    c = make_case(rng, B=2, Hkv=2, GQ=4, D=64, P=16, G=16, max_pages=32, dtype="float16")
+    k, bt, ln, q = c.args("torch", "cuda")
+    want_m = prr.block_metadata(k, bt, ln, block_size=16)
+    want = prr.select_blocks(q, want_m, 8, ln, block_size=16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        k2 = k * 1  # producer work pending on s
+        m = prr.block_metadata(k2, bt, ln, block_size=16)
+        got = prr.select_blocks(q, m, 8, ln, block_size=16)
+    s.synchronize()
+    assert same_bits(m, want_m) and torch.equal(got, want)
+    m = prr.block_metadata(k, bt, ln, block_size=16, stream=s)
+    got = prr.select_blocks(q, m, 8, ln, block_size=16, stream=s)
+    s.synchronize()
+    assert same_bits(m, want_m) and torch.equal(got, want)
+
+
+def _step(k, bt, start, end, q, meta):
+    prr.update_block_metadata(meta, k, bt, start, end, block_size=16)
+    return prr.select_blocks(q * 1.0, meta, 4, end, block_size=16), prr.block_scores(q, meta, end, block_size=16)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_matches_eager(backend):
+    torch._dynamo.reset()
+    rng = np.random.default_rng(10)
+    c = make_case(rng, B=3, Hkv=2, GQ=4, D=128, P=16, G=16, max_pages=16, dtype="bfloat16", lengths="full")
+    k, bt, _, q = c.args("torch", "cuda")
+    start = torch.tensor([5, 100, 200], dtype=torch.int32, device="cuda")
+    end = start + torch.tensor([1, 20, 56], dtype=torch.int32, device="cuda")
+    m0 = prr.block_metadata(k, bt, start, block_size=16)
+    m1 = m0.clone()
+    want = _step(k, bt, start, end, q, m0)
+    got = torch.compile(_step, fullgraph=True, backend=backend)(k, bt, start, end, q, m1)
+    assert same_bits(m0, m1)
+    for g_, w in zip(got, want):
+        assert torch.equal(g_, w)
+
+
+def test_opcheck_cuda():
+    rng = np.random.default_rng(11)
+    c = make_case(rng, B=2, Hkv=2, GQ=2, D=64, P=16, G=16, max_pages=4, dtype="bfloat16")
+    k, bt, ln, q = c.args("torch", "cuda")
+    meta = prr.block_metadata(k, bt, ln, block_size=16)
+    torch.library.opcheck(torch.ops.gvr.prr_block_metadata.default, (k, bt, ln, 16))
+    torch.library.opcheck(torch.ops.gvr.prr_update_block_metadata.default, (meta.clone(), k, bt, ln // 2, ln, 16))
+    torch.library.opcheck(torch.ops.gvr.prr_block_scores.default, (q, meta, ln, 16, "max", 1, 2))
+
+
+# --------------------------------------------------------------------------------------------------
+# the CUDA path's limits, named
+# --------------------------------------------------------------------------------------------------
+def test_cuda_limits_are_named():
+    rng = np.random.default_rng(12)
+    c = make_case(rng, B=2, Hkv=2, GQ=2, D=64, P=16, G=16, max_pages=4, dtype="bfloat16")
+    k, bt, ln, q = c.args("torch", "cuda")
+    meta = prr.block_metadata(k, bt, ln, block_size=16)
+    with pytest.raises(ValueError, match="k_cache"):
+        prr.block_metadata(k.float(), bt, ln, block_size=16)
+    with pytest.raises(ValueError, match="k_cache"):
+        prr.block_metadata(k[..., :48], bt, ln, block_size=16)  # D = 48
+    with pytest.raises(ValueError, match="k_cache"):
+        prr.block_metadata(torch.empty(9 * 16 * 2 * 64 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(9, 16, 2, 64),
+                           bt, ln, block_size=16)  # misaligned
+    bad = torch.empty(2, 2, meta.shape[2], 2, 65, dtype=meta.dtype, device="cuda")[..., 1:]
+    with pytest.raises(ValueError, match="out"):
+        prr.block_metadata(k, bt, ln, block_size=16, out=bad)
+    with pytest.raises(ValueError, match="meta"):
+        prr.update_block_metadata(bad, k, bt, ln, ln, block_size=16)
+    with pytest.raises(ValueError, match="meta"):
+        prr.block_scores(q, bad, ln, block_size=16)
+    with pytest.raises(ValueError, match="GQA"):
+        prr.block_scores(torch.zeros(2, 66, 64, dtype=q.dtype, device="cuda"), meta, ln, block_size=16)
+    with pytest.raises(ValueError, match="q"):
+        prr.block_scores(q.float(), meta.float(), ln, block_size=16)
+    with pytest.raises((ValueError, TypeError), match="lengths"):
+        prr.block_metadata(k, bt, ln.cpu(), block_size=16)  # mixed devices
