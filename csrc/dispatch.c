@@ -2,6 +2,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "dispatch.h"
 
 int gvr_elem_of(gvr_dtype d)
@@ -41,4 +44,15 @@ int gvr_run_on_host(int (*fn)(const void *), const void *params)
         return -1;
     }
     return 0;
+}
+
+int gvr_cuda_path_verified(const char *op)
+{
+    const char *v = getenv("GVR_UNVERIFIED_CUDA");
+    if (v && !strcmp(v, "1"))
+        return 0;
+    PyErr_Format(PyExc_NotImplementedError,
+                 "the CUDA path of %s is compiled but has not yet run on a GPU (its GPU tests are owed): use CPU "
+                 "inputs, or set GVR_UNVERIFIED_CUDA=1 to run it anyway", op);
+    return -1;
 }

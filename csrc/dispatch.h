@@ -21,4 +21,8 @@ int gvr_run_on_device(const gvr_intake *in, gvr_cuda_call fn, const void *params
 /* fn(params) on the host, the GIL released; 0, or -1 with MemoryError (the CPU code's only failure) */
 int gvr_run_on_host(int (*fn)(const void *), const void *params);
 
+/* CUDA paths compiled but not yet run on a GPU raise NotImplementedError naming `op` unless the
+ * environment has GVR_UNVERIFIED_CUDA=1 (their GPU tests set it): 0 = go ahead, -1 = raised. */
+int gvr_cuda_path_verified(const char *op);
+
 #endif

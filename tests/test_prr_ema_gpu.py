@@ -2,15 +2,18 @@
 (which test_prr_ema.py checks against NumPy): the state bit for bit (every float32 operation is
 __fmul_rn / __fadd_rn / __fsub_rn, in the C path's order), the predicted selections exactly, the
 calibration's hit rates bit for bit (canonical float64 sums) and so its choice, CUDA-graph capture of
-predict + update, the calibration time at T = 4096, Nb = 2048 (<= 1 ms on an H100), bad inputs.
+predict + update, bad inputs. (The calibration time belongs to the benchmark, not to a test.)
 
 Every test is collected; each is skipped, with the reason, where torch with a CUDA device or gvr's
 CUDA library is missing (conftest.py, harness.gpu_skip_reason).
 """
-import time
+import os
 
 import numpy as np
 import pytest
+
+# these CUDA paths raise NotImplementedError until their GPU tests have passed once (csrc/dispatch.h)
+os.environ["GVR_UNVERIFIED_CUDA"] = "1"
 
 from gvr import data
 from gvr._prr_ema import EMAPredictor, calibrate, calibration_hit_rates
