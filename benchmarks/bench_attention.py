@@ -92,22 +92,7 @@ F32_RTOL = 1e-4   # float32 paths (CPU, merge_states in float32, repair states)
 
 
 def import_gvr():
-    """gvr from this checkout's in-place build when there is one, else the installed gvr."""
-    if os.path.exists(os.path.join(ROOT, "gvr", "__init__.py")) and ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-        try:
-            import gvr  # noqa: F401
-        except ImportError:  # the checkout is not built in place
-            sys.path.remove(ROOT)
-            for name in [m for m in sys.modules if m == "gvr" or m.startswith("gvr.")]:
-                del sys.modules[name]
-    import gvr
-
-    try:
-        import gvr.prr  # noqa: F401
-    except ImportError:
-        pass
-    return gvr
+    return H.import_gvr(ROOT)
 
 
 def import_torch():

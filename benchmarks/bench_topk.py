@@ -48,19 +48,7 @@ GRID = {  # (sizes, batches), full and --quick
 
 
 def import_gvr():
-    """gvr from this checkout's in-place build when there is one, else the installed gvr."""
-    if os.path.exists(os.path.join(ROOT, "gvr", "__init__.py")) and ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-        try:
-            import gvr  # noqa: F401
-        except ImportError:  # the checkout is not built in place
-            sys.path.remove(ROOT)
-            for name in [m for m in sys.modules if m == "gvr" or m.startswith("gvr.")]:
-                del sys.modules[name]
-    import gvr
-    import gvr.data  # noqa: F401
-
-    return gvr
+    return H.import_gvr(ROOT)
 
 
 def import_torch():

@@ -70,6 +70,23 @@ static int dims_fit(const gvr_intake *in, const char *op)
     return 0;
 }
 
+/* the predictor's state (level, trend, known) into p */
+static void fill_state(gvr_ema_params *p, const gvr_view *l, const gvr_view *t, const gvr_view *k)
+{
+    p->B = (int32_t)l->shape[0];
+    p->H = (int32_t)l->shape[1];
+    p->N = (int32_t)l->shape[2];
+    p->level = (float *)l->data;
+    p->level_stride_b = l->strides[0];
+    p->level_stride_h = l->strides[1];
+    p->trend = (float *)t->data;
+    p->trend_stride_b = t->strides[0];
+    p->trend_stride_h = t->strides[1];
+    p->known = (int32_t *)k->data;
+    p->known_stride_b = k->strides[0];
+    p->known_stride_h = k->strides[1];
+}
+
 static int cpu_predict(const void *p) { return prr_ema_predict_cpu((const gvr_ema_params *)p); }
 static int cpu_update(const void *p) { return prr_ema_update_cpu((const gvr_ema_params *)p); }
 static int cpu_calibrate(const void *p) { return prr_ema_calibrate_cpu((const gvr_ema_calibrate_params *)p); }
@@ -136,18 +153,7 @@ PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds)
         goto fail;
     const gvr_view *l = &in.view[PL], *t = &in.view[PT], *k = &in.view[PK], *nb = &in.view[PNB],
                    *pr = &in.view[PPRED], *rl = &in.view[PLEN];
-    p.B = (int32_t)l->shape[0];
-    p.H = (int32_t)l->shape[1];
-    p.N = (int32_t)l->shape[2];
-    p.level = (float *)l->data;
-    p.level_stride_b = l->strides[0];
-    p.level_stride_h = l->strides[1];
-    p.trend = (float *)t->data;
-    p.trend_stride_b = t->strides[0];
-    p.trend_stride_h = t->strides[1];
-    p.known = (int32_t *)k->data;
-    p.known_stride_b = k->strides[0];
-    p.known_stride_h = k->strides[1];
+    fill_state(&p, l, t, k);
     p.pred = (float *)pr->data;
     p.pred_stride_b = pr->strides[0];
     p.pred_stride_h = pr->strides[1];
@@ -220,18 +226,7 @@ PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds)
         dims_fit(&in, "prr.EMAPredictor.update") < 0)
         goto fail;
     const gvr_view *l = &in.view[UL], *t = &in.view[UT], *k = &in.view[UK], *nb = &in.view[UNB], *s = &in.view[US];
-    p.B = (int32_t)l->shape[0];
-    p.H = (int32_t)l->shape[1];
-    p.N = (int32_t)l->shape[2];
-    p.level = (float *)l->data;
-    p.level_stride_b = l->strides[0];
-    p.level_stride_h = l->strides[1];
-    p.trend = (float *)t->data;
-    p.trend_stride_b = t->strides[0];
-    p.trend_stride_h = t->strides[1];
-    p.known = (int32_t *)k->data;
-    p.known_stride_b = k->strides[0];
-    p.known_stride_h = k->strides[1];
+    fill_state(&p, l, t, k);
     p.scores = (const float *)s->data;
     p.scores_stride_b = s->strides[0];
     p.scores_stride_h = s->strides[1];

@@ -83,6 +83,19 @@ struct DecodeInstance {
     static cudaError_t launch(const DecodeArgs &a, unsigned grid, cudaStream_t stream);
 };
 
+/* The instances of head dim D (one decode_d<D>.cu each, compiled in parallel): f16 / bf16, HC in
+ * {1, 2, 4, 8} query heads per CTA, with and without per-entry partial states. */
+#define GVR_DECODE_INSTANCES(D)                                                                       \
+    GVR_DECODE_HC_(D, GVR_ELEM_F16, false)                                                            \
+    GVR_DECODE_HC_(D, GVR_ELEM_BF16, false)                                                           \
+    GVR_DECODE_HC_(D, GVR_ELEM_F16, true)                                                             \
+    GVR_DECODE_HC_(D, GVR_ELEM_BF16, true)
+#define GVR_DECODE_HC_(D, E, PART)                                                                    \
+    template struct DecodeInstance<E, D, 1, PART>;                                                    \
+    template struct DecodeInstance<E, D, 2, PART>;                                                    \
+    template struct DecodeInstance<E, D, 4, PART>;                                                    \
+    template struct DecodeInstance<E, D, 8, PART>;
+
 /* the kernel's definition: only the instance files (decode_d*.cu) define GVR_DECODE_KERNELS, so that
  * decode.cu (the planner) does not instantiate the kernels again */
 #if defined(__CUDACC__) && defined(GVR_DECODE_KERNELS)
