@@ -7,6 +7,7 @@
 #            .old/src, its libgvr_cuda.so built for the chip at .old/libgvr_cuda_old.so), then this one
 #            again (run-to-run spread); JSON per run under $OUT
 #   attn     the attention operators only: their GPU tests, sanitizer on their cases, their benchmark
+#   prr      issue 13's pieces (Quest selection, EMA predictor, runtime): their GPU tests
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
 #            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
 # The build runs once per machine and source state (a stamp in /tmp); GVR_CUDA_ARCHS defaults to 90a.
@@ -50,7 +51,7 @@ check() {
 
 attn() {  # the attention operators only: their GPU tests, sanitizer on their cases, their benchmark
   say "GPU tests (attention)"
-  (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs -x test_attention_gpu.py test_attention_bad_input.py) 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -15
+  (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs -x test_attention_gpu.py test_attention_bad_input.py test_readme.py) 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -15
   say "compute-sanitizer (attention)"
   for tool in memcheck racecheck; do
     (cd /tmp && timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only attention) > "$OUT/sanitizer_attention_$tool.log" 2>&1
@@ -60,6 +61,11 @@ attn() {  # the attention operators only: their GPU tests, sanitizer on their ca
   (cd /tmp && timeout 300 $PY "$ROOT/benchmarks/bench_attention.py" --json "$OUT/results_attention_cuda.json" \
     --append-results "$OUT/RESULTS_attention_cuda.md") > "$OUT/bench_attention.log" 2>&1
   echo "bench_attention exit $?"; tail -75 "$OUT/bench_attention.log"
+}
+
+prr() {  # issue 13's pieces: their GPU tests (their CUDA paths are gated until these pass: csrc/dispatch.h)
+  say "GPU tests (prr)"
+  (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs test_prr_select_gpu.py test_prr_ema_gpu.py $(ls test_prr_runtime_gpu.py 2>/dev/null)) 2>&1 | tee "$OUT/pytest_prr_gpu.log" | tail -15
 }
 
 quick() {  # $1: label; PYTHONPATH selects the build
@@ -96,6 +102,7 @@ for mode in "${@:-check}"; do
     compare) compare ;;
     bench) bench ;;
     attn) attn ;;
+    prr) prr ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

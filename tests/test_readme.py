@@ -1,4 +1,4 @@
-"""The README's Python examples run as written (those needing a CUDA device run on one)."""
+"""The README's Python examples run as written (those needing a CUDA device are GPU tests)."""
 import pathlib
 import re
 
@@ -10,13 +10,21 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
+def _needs_cuda(code):
+    return '"cuda"' in code or ".cuda()" in code or "torch.compile" in code
+
+
 def _first_line(code):
     return next((line for line in code.splitlines() if line.strip() and not line.startswith("import")), "")[:40]
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}-{_first_line(c)}" for i, c in enumerate(BLOCKS)])
+PARAMS = [pytest.param(c, id=f"block{i}-{_first_line(c)}", marks=[pytest.mark.gpu] if _needs_cuda(c) else [])
+          for i, c in enumerate(BLOCKS)]
+
+
+@pytest.mark.parametrize("code", PARAMS)
 def test_readme_example_runs(code, tmp_path, monkeypatch):
-    if '"cuda"' in code or ".cuda()" in code or "torch.compile" in code:
+    if _needs_cuda(code):
         reason = gpu_skip_reason()
         if reason:
             pytest.skip(reason)

@@ -20,7 +20,9 @@
  *    b_r register of output n-tile (c, i), whose column n is d = 32c + 8(n >> 1) + 2i + (n & 1); so
  *    lane (g, t) ends up owning O[g][32c + 8t .. 32c + 8t + 7] and O[g + 8][same].
  * Every mapping above is checked at the fragment level by a NumPy simulation of the PTX ISA's
- * documented mma / movmatrix layouts (written for this kernel; see the session's report).
+ * documented mma / movmatrix layouts: scripts/mma_layout_sim.py (keep it in step with this file).
+ * NOT YET RUN ON A GPU: selected only with GVR_ATTN_MMA=1 until tests/test_attention_gpu.py's "mma"
+ * variants have passed.
  *
  * Head dims 64 and 128. D = 256 keeps decode.cuh's kernel: O alone is 128 f32 registers per lane
  * there, and with one tile of K (64) and V (64) in flight plus the per-lane state it does not fit 255
