@@ -1,4 +1,5 @@
-"""python -m gvr: a decode-loop demo of gvr.topk_decode.
+"""python -m gvr: a decode-loop demo of gvr.topk_decode (``python -m gvr prr``: the PRR demo,
+gvr/_prr_demo.py).
 
 Generates a synthetic 64K-context decode trace (gvr.data.decode_trace), runs topk_decode step by
 step with the previous step's result as the prediction (prev_topk), checks every step against an
@@ -69,7 +70,8 @@ def torch_cuda():
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m gvr",
-        description="Decode-loop demo of gvr.topk_decode: exactness check and timing on a synthetic trace.",
+        description="Decode-loop demo of gvr.topk_decode: exactness check and timing on a synthetic trace. "
+                    "(python -m gvr prr --help: the PRR demo.)",
     )
     p.add_argument("--n", type=int, default=65536, help="context length at the first step (default 65536)")
     p.add_argument("--k", type=int, default=2048, help="top-k (default 2048; 0 gives empty results)")
@@ -95,7 +97,12 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    a = parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["prr"]:  # python -m gvr prr [options]: the PRR demo
+        from . import _prr_demo
+
+        return _prr_demo.main(args[1:])
+    a = parse_args(args)
     info = gvr.build_info()
     torch = torch_cuda() if a.device in ("auto", "cuda") else None
     why = None

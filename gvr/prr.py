@@ -18,6 +18,11 @@ recent blocks always kept. The predictor (section 4.1): ``EMAPredictor`` (Holt's
 block, state at fixed addresses) and ``calibrate`` (section 4.2: the grid point with the best
 score-weighted hit rate over the prefill trajectory).
 
+The runtime (section 4.3): ``SpeculativeAttention`` runs a layer's step — attention over the
+predicted blocks (on a side stream on CUDA) while the caller's selection runs, then missed / finalize /
+repair — in exact or superset mode, with the EMA or last-step predictor and hit rates;
+``quest_select`` builds a selection stage for it. ``python -m gvr prr`` is its demo.
+
 States to be repaired are kept in float32 (``out`` float32), so repeated repairs round once, at the
 end. Every function runs on the CPU (C) for NumPy arrays / CPU tensors and on CUDA for device
 tensors, on the caller's stream, in one launch, graph-safe.
@@ -32,9 +37,11 @@ from .attention import _ATT, _check_traced_stream, _new, _none, _shape
 from .attention import repair as _repair
 from ._prr_ema import DEFAULT_GRID, EMAPredictor, calibrate, calibration_hit_rates  # noqa: F401
 from ._prr_select import block_metadata, block_scores, select_blocks, update_block_metadata  # noqa: F401
+from ._prr_runtime import SpeculativeAttention, quest_select  # noqa: F401
 
 __all__ = ["repair", "missed", "finalize", "block_metadata", "update_block_metadata", "block_scores",
-           "select_blocks", "EMAPredictor", "calibrate", "calibration_hit_rates", "DEFAULT_GRID"]
+           "select_blocks", "EMAPredictor", "calibrate", "calibration_hit_rates", "DEFAULT_GRID",
+           "SpeculativeAttention", "quest_select"]
 
 
 def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,

@@ -51,3 +51,21 @@ def test_demo_says_when_the_overlap_cannot_be_reached():
     m = re.search(r"requested overlap 0\.00 cannot be reached: below chance level .*; measured (\d\.\d\d)", out)
     assert m and float(m.group(1)) > 0.0, out
     assert_all_exact(out, 3)
+
+
+def test_prr_demo_cpu_small():
+    """`python -m gvr prr`: PRR's exact mode equals serial attention over the selected set at every step."""
+    out = run_demo("prr", "--context", "2048", "--layers", "2", "--steps", "3", "--k", "8", "--block-size", "16",
+                   "--device", "cpu")
+    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)\s+exact: (yes|no)\s*$", out, re.M)
+    assert [int(r[0]) for r in rows] == [0, 1, 2], out
+    assert [int(r[1]) for r in rows] == [2048, 2049, 2050], out
+    assert all(r[4] == "yes" for r in rows) and "all exact: yes" in out, out
+    assert all(0.0 <= float(r[j]) <= 1.0 for r in rows for j in (2, 3)), out
+    assert float(rows[0][2]) == 0.0 and float(rows[0][3]) == 0.0, out  # step 0: no prediction
+
+
+def test_prr_demo_budget_zero():
+    out = run_demo("prr", "--context", "1000", "--layers", "1", "--steps", "2", "--k", "4", "--block-size", "16",
+                   "--budget", "0", "--device", "cpu")
+    assert "all exact: yes" in out, out
