@@ -33,7 +33,7 @@ import numpy as np
 from .attention import repair as _repair
 from .attention import sparse_attention
 from .topk import topk_decode
-from ._prr_ema import EMAPredictor
+from ._prr_ema import EMAPredictor, _check_int
 from ._prr_select import block_scores, select_blocks
 
 __all__ = ["SpeculativeAttention", "quest_select"]
@@ -52,14 +52,6 @@ def _cuda_path_verified(op):
 
 def _is_torch(x):
     return type(x).__module__.startswith("torch")
-
-
-def _check_int(name, v, lo=1):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"'{name}' must be >= {lo}, got {v}")
-    return int(v)
 
 
 def _shape(x):
