@@ -276,6 +276,18 @@ def torch_reference(torch, cache, sel, q, scale):
     return out.reshape(B, Hq, D), lse.reshape(B, Hq)
 
 
+def _time_methods(cell, errors, fns, timer, args, torch, dev):
+    """cell["methods"][name] = the timing of each (name, fn); a failure goes to errors[name]."""
+    for name, fn in fns:
+        try:
+            cell["methods"][name], mode = _timed(timer, fn, args)
+            if mode != "graph":
+                cell.setdefault("warm_mode", {})[name] = mode
+        except Exception as e:
+            errors[name] = _err(e)
+            _sync(torch, dev)
+
+
 def _timed(timer, fn, args, warm=True, cold=True):
     """{"warm": .., "cold": ..} and the warm mode ("graph" or why eager)."""
     r, mode = {}, "graph"
@@ -486,14 +498,7 @@ def repair_cells(gvr, torch, timer, cache, gen, args, bw, pred_blocks, missed_li
                 "recompute": lambda: gvr.sparse_attention(q, cache.k, cache.v, union, scale=scale, out=o_re, lse=l_re, **kw),
                 "missed": lambda: gvr.prr.missed(selected, pred, out=padded),
             }
-            for name, fn in fns.items():
-                try:
-                    cell["methods"][name], mode = _timed(timer, fn, args)
-                    if mode != "graph":
-                        cell.setdefault("warm_mode", {})[name] = mode
-                except Exception as e:
-                    errors[name] = _err(e)
-                    _sync(torch, dev)
+            _time_methods(cell, errors, fns.items(), timer, args, torch, dev)
         except Exception as e:
             traceback.print_exc()
             errors["setup"] = _err(e)
@@ -542,14 +547,7 @@ def merge_cells(gvr, torch, timer, gen, args):
             cell["diff"] = {"gvr_vs_torch": d, "lse": dl}
             cell["tolerance"] = {"out_abs": tol, "lse_abs": 1e-5}
             cell["correct"]["gvr"] = math.isfinite(d) and d <= tol and dl <= 1e-5 * max(1.0, float(tl.abs().max()))
-            for name, fn in (("gvr", gvr_merge), ("torch", torch_merge)):
-                try:
-                    cell["methods"][name], mode = _timed(timer, fn, args)
-                    if mode != "graph":
-                        cell.setdefault("warm_mode", {})[name] = mode
-                except Exception as e:
-                    errors[name] = _err(e)
-                    _sync(torch, dev)
+            _time_methods(cell, errors, (("gvr", gvr_merge), ("torch", torch_merge)), timer, args, torch, dev)
         except Exception as e:
             traceback.print_exc()
             errors["gvr"] = _err(e)

@@ -221,22 +221,6 @@ static int cuda_attention(const gvr_cuda_api *cu, const void *p, void *ws, size_
     return cu->sparse_attention((const gvr_attention_params *)p, ws, ws_bytes, stream);
 }
 
-/* lengths on the host: each in [0, max_pages * P]; copied (contiguous) for the CPU code */
-static int read_attention_lengths(const gvr_view *ln, const gvr_attention_params *p, int32_t *dst)
-{
-    const int64_t cap = (int64_t)p->max_pages * p->P;
-    for (int64_t b = 0; b < p->B; b++) {
-        const int32_t L = ((const int32_t *)ln->data)[b * ln->strides[0]];
-        if (L < 0 || L > cap) {
-            PyErr_Format(PyExc_ValueError, "'lengths' must lie in [0, max_pages * P] = [0, %lld], got lengths[%lld] = %d",
-                         (long long)cap, (long long)b, L);
-            return -1;
-        }
-        dst[b] = L;
-    }
-    return 0;
-}
-
 PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
@@ -302,7 +286,8 @@ PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds
                 PyErr_NoMemory();
                 goto fail;
             }
-            if (read_attention_lengths(&in.view[LEN], &p, len_copy) < 0)
+            if (gvr_read_host_counts(&in.view[LEN], "lengths", "max_pages * P", p.B, (int64_t)p.max_pages * p.P,
+                                     len_copy) < 0)
                 goto fail;
             p.lengths = len_copy;
         }

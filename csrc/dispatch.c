@@ -56,3 +56,18 @@ int gvr_cuda_path_verified(const char *op)
                  "inputs, or set GVR_UNVERIFIED_CUDA=1 to run it anyway", op);
     return -1;
 }
+
+int gvr_read_host_counts(const gvr_view *v, const char *name, const char *what, int64_t B, int64_t cap,
+                         int32_t *dst)
+{
+    for (int64_t b = 0; b < B; b++) {
+        const int32_t x = ((const int32_t *)v->data)[b * v->strides[0]];
+        if (x < 0 || x > cap) {
+            PyErr_Format(PyExc_ValueError, "'%s' must lie in [0, %s] = [0, %lld], got %s[%lld] = %d", name, what,
+                         (long long)cap, name, (long long)b, x);
+            return -1;
+        }
+        dst[b] = x;
+    }
+    return 0;
+}

@@ -21,6 +21,11 @@ int gvr_run_on_device(const gvr_intake *in, gvr_cuda_call fn, const void *params
 /* fn(params) on the host, the GIL released; 0, or -1 with MemoryError (the CPU code's only failure) */
 int gvr_run_on_host(int (*fn)(const void *), const void *params);
 
+/* Host int32 [B] values of view v (any stride), each in [0, cap], copied contiguous into dst; else
+ * a ValueError "'name' must lie in [0, what] = [0, cap], got name[b] = x" and -1. */
+int gvr_read_host_counts(const gvr_view *v, const char *name, const char *what, int64_t B, int64_t cap,
+                         int32_t *dst);
+
 /* CUDA paths compiled but not yet run on a GPU raise NotImplementedError naming `op` unless the
  * environment has GVR_UNVERIFIED_CUDA=1 (their GPU tests set it): 0 = go ahead, -1 = raised. */
 int gvr_cuda_path_verified(const char *op);

@@ -42,22 +42,6 @@ static int parse_unit(PyObject *o, const char *name, int open, float *v)
     return 0;
 }
 
-/* host nblocks: each in [0, cap] (cap = the state's blocks, and the scores' width for update); copied
- * contiguous for the CPU code */
-static int read_nblocks(const gvr_view *nb, int64_t B, int64_t cap, const char *cap_what, int32_t *dst)
-{
-    for (int64_t b = 0; b < B; b++) {
-        const int32_t v = ((const int32_t *)nb->data)[b * nb->strides[0]];
-        if (v < 0 || v > cap) {
-            PyErr_Format(PyExc_ValueError, "'nblocks' must lie in [0, %lld] (%s), got nblocks[%lld] = %d",
-                         (long long)cap, cap_what, (long long)b, v);
-            return -1;
-        }
-        dst[b] = v;
-    }
-    return 0;
-}
-
 static int dims_fit(const gvr_intake *in, const char *op)
 {
     static const char *names[] = {"B", "H", "N", "Ns", "W"};
@@ -170,7 +154,7 @@ PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds)
             PyErr_NoMemory();
             goto fail;
         }
-        if (read_nblocks(nb, p.B, p.N, "the predictor's max_blocks", nb_copy) < 0)
+        if (gvr_read_host_counts(nb, "nblocks", "the predictor's max_blocks", p.B, p.N, nb_copy) < 0)
             goto fail;
         p.nblocks = nb_copy;
         if (gvr_run_on_host(cpu_predict, &p) < 0)
@@ -241,8 +225,8 @@ PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
         }
         const int limit_scores = p.Ns < p.N;
-        if (read_nblocks(nb, p.B, limit_scores ? p.Ns : p.N,
-                         limit_scores ? "the width of 'scores'" : "the predictor's max_blocks", nb_copy) < 0)
+        if (gvr_read_host_counts(nb, "nblocks", limit_scores ? "the width of 'scores'" : "the predictor's max_blocks",
+                                 p.B, limit_scores ? p.Ns : p.N, nb_copy) < 0)
             goto fail;
         p.nblocks = nb_copy;
         if (gvr_run_on_host(cpu_update, &p) < 0)

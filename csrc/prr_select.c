@@ -18,22 +18,6 @@
 #define F32 GVR_DT(GVR_DTYPE_F32)
 #define ON_CALL (GVR_HOST | GVR_DEVICE)
 
-/* host int32 [B] values, each in [0, cap], copied (contiguous) into dst */
-static int read_host_lengths(const gvr_view *v, const char *name, const char *what, int64_t B, int64_t cap,
-                             int32_t *dst)
-{
-    for (int64_t b = 0; b < B; b++) {
-        const int32_t L = ((const int32_t *)v->data)[b * v->strides[0]];
-        if (L < 0 || L > cap) {
-            PyErr_Format(PyExc_ValueError, "'%s' must lie in [0, %s] = [0, %lld], got %s[%lld] = %d", name, what,
-                         (long long)cap, name, (long long)b, L);
-            return -1;
-        }
-        dst[b] = L;
-    }
-    return 0;
-}
-
 /* a CUDA buffer the kernels read in 16-byte pieces: aligned start, strides in multiples of 8 elements */
 static int check_vec16(const char *name, const void *ptr, const int64_t *s, int n)
 {
@@ -213,12 +197,12 @@ PyObject *gvr_py_block_metadata(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
         }
         if (ln->data) {
-            if (read_host_lengths(ln, update ? "end" : "lengths", "max_pages * P", B, cap, copy) < 0)
+            if (gvr_read_host_counts(ln, update ? "end" : "lengths", "max_pages * P", B, cap, copy) < 0)
                 goto fail;
             p.end = copy;
         }
         if (st->data) {
-            if (read_host_lengths(st, "start", "max_pages * P", B, cap, copy + B) < 0)
+            if (gvr_read_host_counts(st, "start", "max_pages * P", B, cap, copy + B) < 0)
                 goto fail;
             p.start = copy + B;
         }
@@ -381,7 +365,7 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
                 PyErr_NoMemory();
                 goto fail;
             }
-            if (read_host_lengths(ln, "lengths", "Nb * block_size", B, cap > INT32_MAX ? INT32_MAX : cap, copy) < 0)
+            if (gvr_read_host_counts(ln, "lengths", "Nb * block_size", B, cap > INT32_MAX ? INT32_MAX : cap, copy) < 0)
                 goto fail;
             p.lengths = copy;
         }
