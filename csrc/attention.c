@@ -16,6 +16,7 @@
 
 #define FLOATS (GVR_DT(GVR_DTYPE_F32) | GVR_DT(GVR_DTYPE_F16) | GVR_DT(GVR_DTYPE_BF16))
 #define I32 GVR_DT(GVR_DTYPE_I32)
+#define I64 GVR_DT(GVR_DTYPE_I64)
 #define F32 GVR_DT(GVR_DTYPE_F32)
 #define U8 GVR_DT(GVR_DTYPE_U8)
 #define ON_CALL (GVR_HOST | GVR_DEVICE)
@@ -471,18 +472,20 @@ fail:
  * prr.missed
  * ================================================================================================ */
 
-enum { SEL, PRED, MOUT, MISSED_NARGS };
+enum { SEL, PRED, MOUT, MCNT, MISSED_NARGS };
 
 static const gvr_arg_spec missed_args[MISSED_NARGS] = {
     [SEL] = {"selected", I32, "B,H,n_sel", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [PRED] = {"predicted", I32, "B,Hp,n_pred", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [MOUT] = {"out", I32, "B,H,n_sel", ON_CALL, GVR_OUTPUT | GVR_ALLOC | GVR_UNIT_LAST, NULL, NULL},
+    [MCNT] = {"counts", I64, "4", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
 };
 static const gvr_spec missed_spec = {"prr.missed", MISSED_NARGS, missed_args};
 
 const char gvr_missed_doc[] =
-    "prr_missed(selected, predicted, out, stream, nosync)\n--\n\n"
-    "The entries of selected absent from predicted, per row and head, -1 padded. See gvr.prr.missed.";
+    "prr_missed(selected, predicted, out, stream, nosync, counts)\n--\n\n"
+    "The entries of selected absent from predicted, per row and head, -1 padded; counts (int64 [4] or None):\n"
+    "[hits, selected entries] of this call, then += into [2:4]. See gvr.prr.missed.";
 
 static int cpu_missed(const void *p) { return prr_missed_cpu((const gvr_missed_params *)p); }
 
@@ -496,13 +499,13 @@ static int cuda_missed(const gvr_cuda_api *cu, const void *p, void *ws, size_t w
 PyObject *gvr_py_prr_missed(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
-    static char *kwlist[] = {"selected", "predicted", "out", "stream", "nosync", NULL};
-    PyObject *obj[MISSED_NARGS] = {NULL, NULL, Py_None};
+    static char *kwlist[] = {"selected", "predicted", "out", "stream", "nosync", "counts", NULL};
+    PyObject *obj[MISSED_NARGS] = {NULL, NULL, Py_None, Py_None};
     PyObject *o_stream = Py_None, *o_nosync = NULL, *result = NULL;
     gvr_intake in;
     gvr_intake_init(&in);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOO:prr_missed", kwlist, &obj[SEL], &obj[PRED], &obj[MOUT],
-                                     &o_stream, &o_nosync))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOO:prr_missed", kwlist, &obj[SEL], &obj[PRED], &obj[MOUT],
+                                     &o_stream, &o_nosync, &obj[MCNT]))
         return NULL;
     unsigned nosync;
     intptr_t stream;
@@ -536,6 +539,7 @@ PyObject *gvr_py_prr_missed(PyObject *self, PyObject *args, PyObject *kwds)
     p.out = (int32_t *)o->data;
     p.out_stride_b = o->strides[0];
     p.out_stride_h = o->strides[1];
+    p.counts = (int64_t *)in.view[MCNT].data;
     if ((in.device == GVR_DEV_CUDA ? gvr_run_on_device(&in, cuda_missed, &p, NULL, 0, stream, "gvr_prr_missed")
                                    : gvr_run_on_host(cpu_missed, &p)) < 0)
         goto fail;

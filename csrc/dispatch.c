@@ -3,7 +3,6 @@
 #include <Python.h>
 
 #include <stdlib.h>
-#include <string.h>
 
 #include "dispatch.h"
 
@@ -44,17 +43,6 @@ int gvr_run_on_host(int (*fn)(const void *), const void *params)
         return -1;
     }
     return 0;
-}
-
-int gvr_cuda_path_verified(const char *op)
-{
-    const char *v = getenv("GVR_UNVERIFIED_CUDA");
-    if (v && !strcmp(v, "1"))
-        return 0;
-    PyErr_Format(PyExc_NotImplementedError,
-                 "the CUDA path of %s is compiled but has not yet run on a GPU (its GPU tests are owed): use CPU "
-                 "inputs, or set GVR_UNVERIFIED_CUDA=1 to run it anyway", op);
-    return -1;
 }
 
 int gvr_read_host_counts(const gvr_view *v, const char *name, const char *what, int64_t B, int64_t cap,

@@ -26,8 +26,5 @@ int gvr_run_on_host(int (*fn)(const void *), const void *params);
 int gvr_read_host_counts(const gvr_view *v, const char *name, const char *what, int64_t B, int64_t cap,
                          int32_t *dst);
 
-/* CUDA paths compiled but not yet run on a GPU raise NotImplementedError naming `op` unless the
- * environment has GVR_UNVERIFIED_CUDA=1 (their GPU tests set it): 0 = go ahead, -1 = raised. */
-int gvr_cuda_path_verified(const char *op);
 
 #endif

@@ -147,7 +147,7 @@ PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds)
     p.row_len_stride_h = rl->strides[1];
     if (in.device == GVR_DEV_CUDA) {
         p.nblocks = (const int32_t *)nb->data;
-        if (gvr_cuda_path_verified("prr.EMAPredictor.predict") < 0 || gvr_run_on_device(&in, cuda_predict, &p, NULL, 0, stream, "gvr_prr_ema_predict") < 0)
+        if (gvr_run_on_device(&in, cuda_predict, &p, NULL, 0, stream, "gvr_prr_ema_predict") < 0)
             goto fail;
     } else {
         if (!(nb_copy = malloc((size_t)(p.B ? p.B : 1) * sizeof *nb_copy))) {
@@ -217,7 +217,7 @@ PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds)
     p.Ns = (int32_t)s->shape[2];
     if (in.device == GVR_DEV_CUDA) {
         p.nblocks = (const int32_t *)nb->data;
-        if (gvr_cuda_path_verified("prr.EMAPredictor.update") < 0 || gvr_run_on_device(&in, cuda_update, &p, NULL, 0, stream, "gvr_prr_ema_update") < 0)
+        if (gvr_run_on_device(&in, cuda_update, &p, NULL, 0, stream, "gvr_prr_ema_update") < 0)
             goto fail;
     } else {
         if (!(nb_copy = malloc((size_t)(p.B ? p.B : 1) * sizeof *nb_copy))) {
@@ -330,7 +330,7 @@ PyObject *gvr_py_prr_ema_calibrate(PyObject *self, PyObject *args, PyObject *kwd
         p.grid = (const float *)g->data;
         p.hit = (double *)h->data;
         const gvr_view *ws = &in.view[CWS];
-        if (gvr_cuda_path_verified("prr.calibrate") < 0 || gvr_run_on_device(&in, cuda_calibrate, &p, ws->data, ws->data ? (size_t)ws->shape[0] : 0, stream,
+        if (gvr_run_on_device(&in, cuda_calibrate, &p, ws->data, ws->data ? (size_t)ws->shape[0] : 0, stream,
                           "gvr_prr_ema_calibrate") < 0)
             goto fail;
     } else {

@@ -188,7 +188,7 @@ PyObject *gvr_py_block_metadata(PyObject *self, PyObject *args, PyObject *kwds)
         if (check_cuda_dtype_and_d(k, "k_cache", p.D) < 0 || check_vec16("k_cache", p.k, ks, 3) < 0 ||
             check_vec16(mname, p.meta, ms, 4) < 0)
             goto fail;
-        if (gvr_cuda_path_verified("prr.block_metadata") < 0 || gvr_run_on_device(&in, cuda_meta, &p, NULL, 0, stream, update ? "gvr_prr_block_metadata (update)"
+        if (gvr_run_on_device(&in, cuda_meta, &p, NULL, 0, stream, update ? "gvr_prr_block_metadata (update)"
                                                               : "gvr_prr_block_metadata") < 0)
             goto fail;
     } else {
@@ -357,7 +357,7 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
                          GVR_PRR_SCORES_MAX_GQA, (long long)Hq, (long long)Hkv);
             goto fail;
         }
-        if (gvr_cuda_path_verified("prr.block_scores") < 0 || gvr_run_on_device(&in, cuda_scores, &p, NULL, 0, stream, "gvr_prr_block_scores") < 0)
+        if (gvr_run_on_device(&in, cuda_scores, &p, NULL, 0, stream, "gvr_prr_block_scores") < 0)
             goto fail;
     } else {
         if (ln->data) {

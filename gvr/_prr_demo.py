@@ -14,14 +14,12 @@ the selected set within tolerance (float32 states: |PRR - serial| <= 1e-4 * max(
 out, 1e-4 * max(1, |lse|) for lse; a missed or wasted block moves them by orders of magnitude more).
 
 On the CPU the speculation cannot overlap the selection (one stream), so PRR times show the overhead
-of the partial states and the repair; on CUDA (GVR_UNVERIFIED_CUDA=1 until the runtime's GPU tests have
-run) the speculative attention overlaps the selection on a side stream.
+of the partial states and the repair; on CUDA the speculative attention overlaps the selection on a side stream.
 Exit status: 0 when every step is exact, 1 otherwise, 2 for bad arguments or a missing device.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -79,9 +77,6 @@ def _pick_device(a):
         why = "torch with a CUDA device is not available"
     elif not gvr.cuda_available():
         why = gvr.build_info()["cuda_error"]
-    elif os.environ.get("GVR_UNVERIFIED_CUDA") != "1":
-        why = ("the CUDA path of gvr.prr.SpeculativeAttention has not yet run on a GPU: set GVR_UNVERIFIED_CUDA=1 "
-               "to run it anyway")
     return ("cpu", torch, why) if why else ("cuda", torch, None)
 
 

@@ -16,7 +16,7 @@ One decode step of one layer (``SpeculativeAttention.step``):
 5. hit counts (on the device, no host read) and the predictor's update: "ema" folds the step's block
    scores into ``gvr.prr.EMAPredictor`` and predicts the next step's Top-``round(budget*k)`` blocks;
    "last" takes this step's selection (its first ``round(budget*k)`` entries, -1 padded) as the next
-   prediction.
+   prediction -- with ``quest_select(..., sorted=True)`` the best-scored blocks, on every device.
 
 ``budget = 0`` turns speculation off: the step is plain serial attention over ``selected``.
 The state is kept in float32 (out ``[B, Hq, D]``, lse ``[B, Hq]``) and converted once to q's dtype.
@@ -24,7 +24,6 @@ The state is kept in float32 (out ``[B, Hq, D]``, lse ``[B, Hq]``) and converted
 from __future__ import annotations
 
 import math
-import os
 import sys
 from numbers import Real
 
@@ -39,15 +38,6 @@ from ._prr_select import block_scores, select_blocks
 __all__ = ["SpeculativeAttention", "quest_select"]
 
 _NAME = "gvr.prr.SpeculativeAttention"
-
-
-def _cuda_path_verified(op):
-    """csrc/dispatch.h's gvr_cuda_path_verified, for a path written in Python."""
-    if os.environ.get("GVR_UNVERIFIED_CUDA") == "1":
-        return
-    raise NotImplementedError(
-        f"the CUDA path of {op} is compiled but has not yet run on a GPU (its GPU tests are owed): use CPU "
-        "inputs, or set GVR_UNVERIFIED_CUDA=1 to run it anyway")
 
 
 def _is_torch(x):
@@ -127,11 +117,12 @@ class SpeculativeAttention:
     Hit rates: ``last_hit_rate`` = |predicted ∩ selected| / |selected entries >= 0|, pooled over the
     step's rows and KV heads (entries of ``selected`` found in the same row's ``predicted``);
     ``mean_hit_rate``: the same pooled over every step since construction (or ``reset_hit_rates``).
-    1.0 when no entry was selected; 0 for a step without speculation. Counted on the device (a small
-    int64 tensor ``hit_counts`` = [last hits, last selected, total hits, total selected]); reading
-    the properties synchronizes.
+    1.0 when no entry was selected. Counted by the ``missed`` pass itself (``gvr.prr.missed(...,
+    counts=)``: no extra kernel) into a small int64 array ``hit_counts`` = [last hits, last selected,
+    total hits, total selected]; reading the properties synchronizes. A runtime without speculation
+    (budget 0) counts nothing and reports 0.
 
-    On CUDA (written; its GPU tests are owed: NotImplementedError unless GVR_UNVERIFIED_CUDA=1): the
+    On CUDA the
     speculative attention runs on ``self.side_stream``, joined by events; the step allocates nothing
     and reads nothing back after a first eager step (gvr's per-stream workspaces are then made), so
     a step -- both streams -- can be captured in one CUDA graph and replayed.
@@ -178,7 +169,6 @@ class SpeculativeAttention:
         elif not dev.startswith("cuda"):
             raise ValueError(f"'device' must be 'cpu' or a CUDA device, got {device!r}")
         else:
-            _cuda_path_verified(_NAME)
             try:
                 import torch
             except ImportError as e:  # pragma: no cover - depends on the environment
@@ -214,8 +204,6 @@ class SpeculativeAttention:
             self.side_stream = t.cuda.Stream(device=self.device)
             self._ev_start = t.cuda.Event()
             self._ev_spec = t.cuda.Event()
-            self._ge = t.empty((B, Hkv_, self.k), dtype=t.bool, device=self.device)
-            self._cnt = t.zeros(2, dtype=t.int64, device=self.device)
             if dtype is not None:
                 self._out_buffer("torch", _dtype_name(dtype))
         else:
@@ -309,6 +297,8 @@ class SpeculativeAttention:
     # -- hit rates ----------------------------------------------------------------------------------
     def _rate(self, hits, sel):
         hits, sel = int(hits), int(sel)
+        if self.n_pred == 0:
+            return 0.0
         return 1.0 if sel == 0 else hits / sel
 
     @property
@@ -338,7 +328,6 @@ class SpeculativeAttention:
             raise ValueError(f"'q' must have shape [B <= {self.max_batch}, {self.Hq}, {self.D}], got {list(s)}")
         cuda = _is_cuda(q)
         if cuda:
-            _cuda_path_verified(_NAME)
             if self._torch is None:
                 raise ValueError(f"'q' is on a CUDA device but this runtime was made for the CPU (device='cpu')")
             if not _is_torch(q) or q.device != self.device:
@@ -423,29 +412,6 @@ class SpeculativeAttention:
             raise ValueError(f"'lengths' holds a row of {int(nb.max())} blocks of {G} tokens; this runtime holds "
                              f"max_blocks={self.max_blocks}")
         return nb
-
-    def _count_hits(self, selected, missed, B, speculated):
-        if self._torch is None:
-            sel = selected.numpy() if _is_torch(selected) else np.asarray(selected)
-            n_sel = int(np.count_nonzero(sel >= 0))
-            n_hit = n_sel - int(np.count_nonzero(missed >= 0)) if speculated else 0
-            c = self._counts
-            c[0], c[1] = n_hit, n_sel
-            c[2] += n_hit
-            c[3] += n_sel
-            return
-        t = self._torch
-        ge = self._ge[:B]
-        c = self._counts
-        t.ge(selected, 0, out=ge)
-        t.sum(ge, dim=(0, 1, 2), dtype=t.int64, out=c[1])
-        if speculated:
-            t.ge(missed, 0, out=ge)
-            t.sum(ge, dim=(0, 1, 2), dtype=t.int64, out=self._cnt[0])
-            t.sub(c[1], self._cnt[0], out=c[0])
-        else:
-            c[0].zero_()
-        c[2:].add_(c[:2])
 
     def _force_kept(self, pr, rl, B):
         """pr[b, h, j] = +inf for j < keep_first and for the keep_last blocks below rl[b, h] (in place,
@@ -533,13 +499,12 @@ class SpeculativeAttention:
             sparse_attention(q, k_cache, v_cache, selected, out=so, lse=sl, **akw)
         else:
             from .prr import finalize, missed as _missed  # gvr.prr imports this module: late import
-            _missed(selected, pred, out=miss)
+            _missed(selected, pred, out=miss, counts=self._counts)
             if self.mode == "exact":
                 finalize(partials, pred, selected, out=so, lse=sl)
             _repair(so, sl, q, k_cache, v_cache, miss, **akw)
 
-        # 4: hit counts, predictor
-        self._count_hits(selected, miss, B, speculate)
+        # 4: the predictor (hit counts came with the missed pass)
         if speculate:
             if ema and not cpu:
                 nblocks = self._block_counts(lengths, block_table, k_cache, B)
@@ -572,11 +537,13 @@ class SpeculativeAttention:
 
 
 def quest_select(meta, k, lengths=None, *, block_size, init_blocks=1, local_blocks=2, group_reduce="max",
-                 max_batch=None):
+                 max_batch=None, sorted=False):
     """A selection stage for ``SpeculativeAttention.step``: ``select(q) -> (selected, scores)``.
 
     ``selected = gvr.prr.select_blocks(q, meta, k, lengths, block_size=..., init_blocks=...,
-    local_blocks=...)`` (int32 ``[B, Hkv, k]``) and ``scores = gvr.prr.block_scores(q, meta, lengths,
+    local_blocks=..., sorted=sorted)`` (int32 ``[B, Hkv, k]``; sorted: best first, what the "last"
+    predictor wants when its budget is below 1 -- it keeps the first entries -- at the price of a sort,
+    ~18 us at k = 64 on the H100) and ``scores = gvr.prr.block_scores(q, meta, lengths,
     block_size=..., keep_first=0, keep_last=0)`` (float32 ``[B, Hkv, Nb]``: the finite Quest scores
     the EMA predictor folds in), both written into buffers made here (fixed addresses: graph-safe).
     ``meta`` and ``lengths`` are read at each call: update them in place (``update_block_metadata``)
@@ -586,6 +553,7 @@ def quest_select(meta, k, lengths=None, *, block_size, init_blocks=1, local_bloc
     if ms is None or len(ms) != 5:
         raise ValueError(f"'meta' must be [B, Hkv, Nb, 2, D] (from gvr.prr.block_metadata), got {ms and list(ms)}")
     kk = _check_int("k", k)
+    ordered = bool(sorted)
     Bm, Hkv, Nb = ms[:3]
     Bmax = Bm if max_batch is None else _check_int("max_batch", max_batch)
     if _is_torch(meta):
@@ -602,7 +570,7 @@ def quest_select(meta, k, lengths=None, *, block_size, init_blocks=1, local_bloc
         m = meta[:B]
         ln = lengths
         select_blocks(q, m, kk, ln, block_size=block_size, group_reduce=group_reduce, init_blocks=init_blocks,
-                      local_blocks=local_blocks, out=sel)
+                      local_blocks=local_blocks, out=sel, sorted=ordered)
         block_scores(q, m, ln, block_size=block_size, group_reduce=group_reduce, keep_first=0, keep_last=0, out=sc)
         return sel, sc
 

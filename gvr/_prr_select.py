@@ -82,7 +82,7 @@ def _check_blocks(n, name):
         raise ValueError(f"'{name}' must not be negative, got {n.__index__()}")
 
 
-def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream):
+def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted=False):
     _check_blocks(init_blocks, "init_blocks")
     _check_blocks(local_blocks, "local_blocks")
     fw = framework(q)
@@ -101,7 +101,7 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
     if res is None or not _contiguous(res, fw):
         res = _new(q, fw, (B, Hkv, kk), "int32")
     topk_decode(scores.reshape(B * Hkv, Nb), kk, lengths=counts.reshape(B * Hkv), out=res.reshape(B * Hkv, kk),
-                stream=stream)
+                sorted=sorted, stream=stream)
     if out is not None and res is not out:
         _copy_into(out, res, fw)
         return out
@@ -242,7 +242,7 @@ def block_scores(q, meta, lengths=None, *, block_size, group_reduce="max", keep_
 
 
 def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", init_blocks=1, local_blocks=2,
-                  out=None, stream=None):
+                  out=None, sorted=False, stream=None):
     """Quest block selection -> int32 ``[B, Hkv, k]``: per (row, KV head) the k best blocks, -1 padded.
 
     ``block_scores(q, meta, lengths, block_size=..., group_reduce=..., keep_first=init_blocks,
@@ -250,7 +250,9 @@ def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", i
     lengths ceil(lengths[b] / block_size) (one kernel chain on the device, no host round trip):
     min(k, valid blocks) distinct block numbers (the first ``init_blocks`` and the last
     ``local_blocks`` valid blocks always among them when k allows; ties, the +inf ones included, go to
-    the lower block number), then -1. The order within a row is unspecified (a set). The result is
+    the lower block number), then -1. The order within a row is unspecified (a set) unless
+    ``sorted=True``: then by descending score, ties to the lower block number (``gvr.topk_decode``'s
+    sorted order, the same on every device; k <= 4096). The result is
     the ``indices`` that ``gvr.sparse_attention(q, K, V, indices, block_table=..., lengths=...,
     block_size=block_size)`` takes (Hsel = Hkv). Blocks with no token (pages out of range) score
     -inf and come last.
@@ -261,6 +263,6 @@ def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", i
         _check_blocks(local_blocks, "local_blocks")
         B, Hkv, Nb = meta.shape[:3]
         s, c = _scores_op.call(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks)
-        r = topk_decode(s.reshape(B * Hkv, Nb), k, lengths=c.reshape(B * Hkv)).reshape(B, Hkv, k)
+        r = topk_decode(s.reshape(B * Hkv, Nb), k, lengths=c.reshape(B * Hkv), sorted=sorted).reshape(B, Hkv, k)
         return r if out is None else out.copy_(r)
-    return _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream)
+    return _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted)

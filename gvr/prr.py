@@ -21,7 +21,9 @@ score-weighted hit rate over the prefill trajectory).
 The runtime (section 4.3): ``SpeculativeAttention`` runs a layer's step — attention over the
 predicted blocks (on a side stream on CUDA) while the caller's selection runs, then missed / finalize /
 repair — in exact or superset mode, with the EMA or last-step predictor and hit rates;
-``quest_select`` builds a selection stage for it. ``python -m gvr prr`` is its demo.
+``quest_select`` builds a selection stage for it; ``Budget`` (section 4.4) measures, per context,
+the speculation ratio that makes the step fastest (0 where speculation does not pay).
+``python -m gvr prr`` is its demo.
 
 States to be repaired are kept in float32 (``out`` float32), so repeated repairs round once, at the
 end. Every function runs on the CPU (C) for NumPy arrays / CPU tensors and on CUDA for device
@@ -38,10 +40,11 @@ from .attention import repair as _repair
 from ._prr_ema import DEFAULT_GRID, EMAPredictor, calibrate, calibration_hit_rates  # noqa: F401
 from ._prr_select import block_metadata, block_scores, select_blocks, update_block_metadata  # noqa: F401
 from ._prr_runtime import SpeculativeAttention, quest_select  # noqa: F401
+from ._prr_budget import Budget  # noqa: F401
 
 __all__ = ["repair", "missed", "finalize", "block_metadata", "update_block_metadata", "block_scores",
            "select_blocks", "EMAPredictor", "calibrate", "calibration_hit_rates", "DEFAULT_GRID",
-           "SpeculativeAttention", "quest_select"]
+           "SpeculativeAttention", "quest_select", "Budget"]
 
 
 def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,
@@ -63,16 +66,16 @@ def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=
                    block_size=block_size, scale=scale, stream=stream)
 
 
-def _run_missed(selected, predicted, out, stream):
+def _run_missed(selected, predicted, out, stream, counts=None):
     fw = framework(selected)
     if out is None:
         out = _new(selected, fw, _shape(selected), "int32")
-    (s, p, o), stream, nosync = prepare(fw, selected, (selected, predicted, out), stream)
-    r = _C.prr_missed(s, p, o, stream, nosync)
+    (s, p, o, c), stream, nosync = prepare(fw, selected, (selected, predicted, out, counts), stream)
+    r = _C.prr_missed(s, p, o, stream, nosync, c)
     return r if out is None else out
 
 
-def missed(selected, predicted, *, out=None, stream=None):
+def missed(selected, predicted, *, out=None, counts=None, stream=None):
     """The entries of ``selected`` that ``predicted`` lacks -> int32 ``[B, H, n_sel]``.
 
     selected: int32 ``[B, H, n_sel]`` (e.g. this step's Top-K blocks, per KV head or shared, H = 1);
@@ -80,11 +83,18 @@ def missed(selected, predicted, *, out=None, stream=None):
     result lists the entries x >= 0 of ``selected[b, h]`` absent from ``predicted[b, h]``, in
     ``selected``'s order, then -1: exactly what ``repair`` needs after a speculative pass over
     ``predicted``. On the device, no host round trip.
+
+    counts: None, or a contiguous int64 ``[4]`` on selected's device, the hit statistics of the same
+    pass: ``counts[0]`` = entries >= 0 of ``selected`` found in ``predicted`` (hits), ``counts[1]`` =
+    entries >= 0 of ``selected``, both of this call (overwritten), and ``counts[2:4] += counts[0:2]``
+    (running totals). Hit rate = counts[0] / counts[1].
     """
     if compiling():
         _check_traced_stream(stream, "prr.missed")
+        if counts is not None:
+            raise ValueError("prr.missed: 'counts' is not supported under torch.compile (eager calls only)")
         return _missed_op.call(selected, predicted)
-    return _run_missed(selected, predicted, out, stream)
+    return _run_missed(selected, predicted, out, stream, counts)
 
 
 def _run_finalize(partials, predicted, selected, out, lse, stream):

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 5
+#define GVR_ABI_VERSION 6
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -187,7 +187,10 @@ typedef struct {
 int gvr_merge_states(const gvr_merge_params *p, void *stream);
 
 /* prr.missed: out[b, h, :] = the entries x >= 0 of selected[b, h, :] (in their order) that are absent
- * from predicted[b, hp, :] (hp = 0 when Hp == 1, else h), then -1 padding up to n_sel. */
+ * from predicted[b, hp, :] (hp = 0 when Hp == 1, else h), then -1 padding up to n_sel.
+ * counts (NULL: none): int64 [4]; counts[0] = the entries x >= 0 of selected found in predicted (hits),
+ * counts[1] = the entries x >= 0 of selected, both of this call (overwritten); counts[2] += counts[0],
+ * counts[3] += counts[1] (running totals). */
 typedef struct {
     int32_t B, H, n_sel, Hp, n_pred;
     const int32_t *selected;
@@ -196,6 +199,7 @@ typedef struct {
     int64_t pred_stride_b, pred_stride_h;
     int32_t *out; /* [B, H, n_sel] */
     int64_t out_stride_b, out_stride_h;
+    int64_t *counts; /* NULL or [4], see above */
 } gvr_missed_params;
 
 int gvr_prr_missed(const gvr_missed_params *p, void *stream);

@@ -7,7 +7,13 @@
 #            .old/src, its libgvr_cuda.so built for the chip at .old/libgvr_cuda_old.so), then this one
 #            again (run-to-run spread); JSON per run under $OUT
 #   attn     the attention operators only: their GPU tests, sanitizer on their cases, their benchmark
-#   prr      issue 13's pieces (Quest selection, EMA predictor, runtime): their GPU tests
+#   prr      issue 13's pieces (Quest selection, EMA predictor, runtime): their GPU tests, sanitizer, CUDA demo
+#   attntests  the attention GPU tests only
+#   attnquick  the attention sanitizer cases and the quick attention benchmark
+#   prrbench benchmarks/bench_prr.py --cuda (PRR step timing, calibration on CUDA)
+#   prrprof  Nsight Compute kernel durations of one serial and one PRR step (CSV)
+#   budget   gvr.prr.Budget.profile on this GPU -> $OUT/budget.json
+#   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
 #            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
 # The build runs once per machine and source state (a stamp in /tmp); GVR_CUDA_ARCHS defaults to 90a.
@@ -63,36 +69,66 @@ attn() {  # the attention operators only: their GPU tests, sanitizer on their ca
   echo "bench_attention exit $?"; tail -75 "$OUT/bench_attention.log"
 }
 
-prr() {  # issue 13's pieces: their GPU tests (their CUDA paths are gated until these pass: csrc/dispatch.h)
+prr() {  # issue 13's pieces: their GPU tests, sanitizer, the demo on CUDA (their CUDA paths are gated until these pass)
   say "GPU tests (prr)"
-  (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs test_prr_select_gpu.py test_prr_ema_gpu.py $(ls test_prr_runtime_gpu.py 2>/dev/null)) 2>&1 | tee "$OUT/pytest_prr_gpu.log" | tail -15
+  (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=30 test_prr_select_gpu.py test_prr_ema_gpu.py test_prr_runtime_gpu.py) 2>&1 | tee "$OUT/pytest_prr_gpu.log" | tail -40
+  sanitize prr
+  say "prr demo on CUDA"
+  (cd /tmp && timeout 120 $PY -m gvr prr --device cuda) 2>&1 | tee "$OUT/demo_prr_cuda.log" | tail -12
 }
 
-quick() {  # $1: label; PYTHONPATH selects the build
-  (cd /tmp && timeout 200 $PY "$ROOT/scripts/quick_gpu_bench.py" --json "$OUT/qb_$1.json") 2>&1 | tee "$OUT/qb_$1.log" | tail -45
+sanitize() {  # $1: sanitize_case.py --only value; extra environment from the caller
+  say "compute-sanitizer ($1)"
+  for tool in memcheck racecheck; do
+    (cd /tmp && timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$tool.log") clean summaries)"; tail -3 "$OUT/sanitizer_$1_$tool.log"
+  done
 }
 
-compare() {
-  [ -f .old/libgvr_cuda_old.so ] && [ -d .old/src ] || { echo "compare: .old/ missing"; return 1; }
-  if [ ! -f /tmp/oldsite/gvr/_lib/libgvr_cuda.so ]; then
-    say "old build (C extension only; its CUDA library was built on the workstation)"
-    (cd .old/src && GVR_SKIP_CUDA=1 $PY -m pip install -q --no-build-isolation --no-deps --target /tmp/oldsite . > "$OUT/build_old.log" 2>&1) || { tail "$OUT/build_old.log"; return 1; }
-    mkdir -p /tmp/oldsite/gvr/_lib && cp .old/libgvr_cuda_old.so /tmp/oldsite/gvr/_lib/libgvr_cuda.so
-  fi
-  say "quick table: new";   quick new
-  say "quick table: old";   PYTHONPATH=/tmp/oldsite quick old
-  say "quick table: new again"; quick new2
+attntests() {  # the attention GPU tests, all failures listed
+  say "GPU tests (attention)"
+  (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 test_attention_gpu.py test_attention_bad_input.py test_readme.py) 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -40
 }
 
-bench() {
-  say "full benchmark"
-  (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_topk.py" --device cuda --out "$OUT/bench_cuda.json" \
-    --append-results "$OUT/RESULTS_cuda.md" --pool 2 --reps 40 --cold-reps 30) > "$OUT/bench_cuda.log" 2>&1
-  echo "bench exit $?"; tail -40 "$OUT/bench_cuda.log"
-  say "attention benchmark"
-  (cd /tmp && timeout 300 $PY "$ROOT/benchmarks/bench_attention.py" --json "$OUT/results_attention_cuda.json" \
-    --append-results "$OUT/RESULTS_attention_cuda.md") > "$OUT/bench_attention.log" 2>&1
-  echo "bench_attention exit $?"; tail -75 "$OUT/bench_attention.log"
+attnquick() {  # the attention kernels' sanitizer cases and the quick benchmark (B=1 table, B=64 at 2K, repair, merge)
+  sanitize attention
+  say "attention benchmark --quick"
+  (cd /tmp && timeout 250 $PY "$ROOT/benchmarks/bench_attention.py" --quick --json "$OUT/results_attention_quick.json") \
+    > "$OUT/bench_attention_quick.log" 2>&1
+  echo "bench_attention exit $?"; sed -n '/^## sparse_attention:/,/^## CPU/p' "$OUT/bench_attention_quick.log" | head -40
+}
+
+prrbench() {  # issue 13's benchmark with its GPU sections (step timing, calibration on CUDA)
+  say "bench_prr --cuda"
+  (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_prr.py" --cuda --json "$OUT/results_prr_cuda.json") \
+    > "$OUT/bench_prr_cuda.log" 2>&1
+  echo "bench_prr exit $?"; tail -30 "$OUT/bench_prr_cuda.log"
+}
+
+prrprof() {  # the kernels of one serial step and one PRR step (Nsight Compute durations, CSV)
+  for pm in "ema exact" "last superset"; do
+    set -- $pm
+    say "ncu: kernels of a serial and a PRR step ($1, $2)"
+    (cd /tmp && timeout 200 ncu --nvtx --nvtx-include "step/" --metrics gpu__time_duration.sum --csv \
+      $PY "$ROOT/scripts/prr_step_profile.py" --predictor $1 --mode $2) > "$OUT/ncu_prr_step_$1_$2.csv" 2> "$OUT/ncu_prr_step_$1_$2.err"
+    echo "exit $?"; tail -3 "$OUT/ncu_prr_step_$1_$2.err"
+  done
+}
+
+budget() {  # gvr.prr.Budget.profile on this GPU -> $OUT/budget.json (the shipped default is made from it)
+  say "Budget.profile"
+  (cd /tmp && timeout 300 $PY -c "import gvr, json; b = gvr.prr.Budget.profile(path='$OUT/budget.json'); print(b)
+for c, r in b.table['contexts'].items(): print(c, {k: (round(v, 1) if isinstance(v, float) else {kk: round(vv, 2) for kk, vv in v.items()}) for k, v in r.items()})") 2>&1 | tee "$OUT/budget.log" | tail -8
+}
+
+ncu_b1() {  # Nsight Compute on the B=1 cells of 1K and 8K tokens
+  for tok in 1024 8192; do
+    say "ncu B=1 $tok tokens"
+    (cd /tmp && timeout 120 ncu -k regex:gvr_attention --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis $PY "$ROOT/scripts/profile_attention.py" --tokens $tok) > "$OUT/ncu_b1_$tok.log" 2>&1
+    echo "exit $?"; grep -E "Duration|Registers|Achieved Occupancy|Stall|Grid Size|Memory Throughput|DRAM Throughput|Warp Cycles Per Issued|Issued Warp|No Eligible" "$OUT/ncu_b1_$tok.log" | head -30
+  done
 }
 
 build
@@ -103,6 +139,12 @@ for mode in "${@:-check}"; do
     bench) bench ;;
     attn) attn ;;
     prr) prr ;;
+    attntests) attntests ;;
+    attnquick) attnquick ;;
+    ncu) ncu_b1 ;;
+    prrbench) prrbench ;;
+    prrprof) prrprof ;;
+    budget) budget ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

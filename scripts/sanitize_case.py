@@ -10,11 +10,11 @@ import gvr
 from gvr import data
 
 ap = argparse.ArgumentParser(description=__doc__)
-ap.add_argument("--only", choices=("topk", "attention"), help="run one operator's cases")
+ap.add_argument("--only", choices=("topk", "attention", "prr"), help="run one operator's cases")
 only = ap.parse_args().only
 
 rng = np.random.default_rng(0)
-if only != "attention":
+if only in (None, "topk"):
     cases = []
     for N in (3000, 70001):  # 1-CTA rows, 16-CTA clusters
         x = rng.standard_normal((2, N)).astype(np.float32)
@@ -57,7 +57,7 @@ if only != "attention":
     print("sanitize case: top-k ok")
 
 # ---- sparse attention, attention states, PRR repair ------------------------------------------------
-if only != "topk":
+if only in (None, "attention"):
     # small problems: block-table mode (G = 32 over P = 16 pages, a partial last block, -1 padding, entries
     # and table pages out of range) and slot mode (entries past the cache), partials, repair (one empty
     # selection), merge (in place, base 2), missed and finalize; each checked against the CPU path.
@@ -104,4 +104,47 @@ if only != "topk":
             o0, l0 = out[0], lse[0]
             gvr.merge_states(o0, l0, f_out[0], f_lse[0], out=o0, lse=l0)  # [H, D], aliased
     torch.cuda.synchronize()
+    print("sanitize case: attention ok")
+
+# ---- PRR runtime pieces: Quest metadata / update / scores / selection, EMA predictor, calibration, a step ----
+if only in (None, "prr"):
+    from gvr import _prr_runtime as R
+    dev = "cuda"
+    Hq, Hkv, D, P, G = 8, 2, 64, 16, 32
+    B, max_pages = 2, 24
+    num_pages = B * max_pages + 1
+    K = torch.randn(num_pages, P, Hkv, D, dtype=torch.bfloat16, device=dev)
+    V = torch.randn(num_pages, P, Hkv, D, dtype=torch.bfloat16, device=dev)
+    bt = torch.randperm(num_pages, device=dev)[: B * max_pages].int().reshape(B, max_pages)
+    lengths = torch.tensor([max_pages * P - 5, 40], dtype=torch.int32, device=dev)
+    meta = gvr.prr.block_metadata(K, bt, lengths, block_size=G)
+    cmeta = gvr.prr.block_metadata(K.cpu(), bt.cpu(), lengths.cpu(), block_size=G)
+    assert torch.equal(meta.cpu(), cmeta), "block_metadata"
+    old = lengths.clone()
+    lengths += 3
+    gvr.prr.update_block_metadata(meta, K, bt, old, lengths, block_size=G)
+    q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device=dev)
+    for reduce in ("max", "sum"):
+        sc = gvr.prr.block_scores(q, meta, lengths, block_size=G, group_reduce=reduce, keep_first=1, keep_last=1)
+        sel = gvr.prr.select_blocks(q, meta, 5, lengths, block_size=G, group_reduce=reduce)
+        csel = gvr.prr.select_blocks(q.cpu(), meta.cpu(), 5, lengths.cpu(), block_size=G, group_reduce=reduce)
+        assert torch.equal(torch.sort(sel.cpu(), -1).values, torch.sort(csel, -1).values), ("select_blocks", reduce)
+    Nb = meta.shape[2]
+    ema = gvr.prr.EMAPredictor(B, Hkv, Nb, device=dev)
+    nblk = (lengths + G - 1) // G
+    for _ in range(3):
+        scores = torch.randn(B, Hkv, Nb, device=dev)
+        pred = ema.predict(4, nblk)
+        ema.update(scores, nblk)
+    tr = torch.randn(40, 300, device=dev)  # [T, Nb] calibration trace
+    assert gvr.prr.calibrate(tr, 16) == gvr.prr.calibrate(tr.cpu(), 16), "calibrate"
+    c_max_blocks = max_pages * P // G
+    for mode in ("exact", "superset"):
+        sa = R.SpeculativeAttention(B, Hq, Hkv, D, c_max_blocks, block_size=G, k=4, mode=mode, device=dev,
+                                    dtype="bfloat16")
+        select = R.quest_select(meta, 4, lengths, block_size=G)
+        for _ in range(3):
+            out, lse = sa.step(q, K, V, bt, lengths, select)
+    torch.cuda.synchronize()
+    print("sanitize case: prr ok")
 print("sanitize case ok")

@@ -429,6 +429,27 @@ def test_missed_random_against_reference():
         assert np.array_equal(got, missed_ref(sel, pred))
 
 
+def test_missed_counts():
+    """counts: [hits, selected entries >= 0] of the call (overwritten), then += into [2:4]; hits =
+    selected entries >= 0 minus the missed ones (an entry listed twice counts twice)."""
+    rng = np.random.default_rng(22)
+    counts = np.array([7, 7, 100, 200], np.int64)
+    total = [100, 200]
+    for Hp in (1, 3, 3):
+        sel = random_indices(rng, 4, 3, 50, 80, pad=0.1, oob=0.05, dup=0.05, distinct=False)
+        pred = random_indices(rng, 4, Hp, 40, 80, pad=0.1, dup=0.05, distinct=False)
+        want = missed_ref(sel, pred)
+        got = _missed(sel, pred, counts=counts)
+        assert np.array_equal(got, want)
+        n_sel = int(np.count_nonzero(sel >= 0))
+        hits = n_sel - int(np.count_nonzero(want >= 0))
+        total[0] += hits
+        total[1] += n_sel
+        assert counts.tolist() == [hits, n_sel] + total
+    _missed(np.zeros((2, 3, 0), np.int32), [[[1]], [[2]]], counts=counts)  # an empty selection: 0 of 0
+    assert counts.tolist() == [0, 0] + total
+
+
 def test_missed_edge_cases():
     sel = np.array([[[5, -1, 3, 7, -1, 2]]], np.int32)
     assert _missed(sel, np.zeros((1, 1, 0), np.int32)).tolist() == [[[5, 3, 7, 2, -1, -1]]]  # n_pred 0

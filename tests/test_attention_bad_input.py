@@ -373,6 +373,10 @@ def test_missed_errors():
     out = np.full((1, 2, 2), 9, I32)
     expect_error(ValueError, "out", gvr.prr.missed, sel, pred[:, :1], out=out)
     expect_error(ValueError, "selected", gvr.prr.missed, sel[0], pred[:, :1])
+    expect_error(TypeError, "counts", gvr.prr.missed, sel, pred[:, :1], counts=np.zeros(4, I32))
+    expect_error(ValueError, "counts", gvr.prr.missed, sel, pred[:, :1], counts=np.zeros(3, np.int64))
+    c = np.zeros(4, np.int64)
+    expect_error(ValueError, "counts", gvr.prr.missed, sel, pred[:, :1], counts=c.reshape(2, 2))
 
 
 def test_finalize_errors():

@@ -4,11 +4,6 @@ reference (attention_reference.py), both with harness.assert_close (factor 2 x t
 input precision + one ulp). Integer results (prr.missed) and empty states are exact; the CUDA path is
 deterministic bit for bit and replays identically from a CUDA graph.
 
-The grid, repair, determinism and graph tests run twice (the `attn_kernel` fixture): with the default
-kernel and with GVR_ATTN_MMA=1, which selects the tensor-core kernel (kernels/attention/decode_mma.cuh)
-for GQA groups of 3..16 heads, head dims 64 and 128, without partials (other shapes keep the default
-kernel under it too).
-
 Every test is collected; each is skipped, with the reason, where torch with a CUDA device or gvr's
 CUDA library is missing (conftest.py, harness.gpu_skip_reason).
 """
@@ -27,20 +22,6 @@ torch = torch_or_none()  # None without torch: every test here is then skipped b
 pytestmark = pytest.mark.gpu
 NEG_INF = -np.inf
 DTYPES = ("bfloat16", "float16")
-
-
-@pytest.fixture(params=["default", "mma"])
-def attn_kernel(request, monkeypatch):
-    """Run the test with the default CUDA kernel (GVR_ATTN_MMA unset) and with the tensor-core kernel
-    (GVR_ATTN_MMA=1; read by the library on every call); monkeypatch restores the variable after."""
-    if request.param == "mma":
-        monkeypatch.setenv("GVR_ATTN_MMA", "1")
-    else:
-        monkeypatch.delenv("GVR_ATTN_MMA", raising=False)
-    return request.param
-
-
-both_kernels = pytest.mark.usefixtures("attn_kernel")
 
 
 def both(case, *, out_f32=False, **kw):
@@ -72,7 +53,6 @@ PAGE_BLOCK = [(P, G, True) for P in (1, 16, 64, 128) for G in (1, 16, 64, 128)] 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("P,G,paged", PAGE_BLOCK,
                          ids=[f"{'bt' if p else 'slots'}-P{P}-G{G}" for P, G, p in PAGE_BLOCK])
-@both_kernels
 def test_page_and_block_sizes(P, G, paged, dtype):
     rng = np.random.default_rng(P * 1000 + G + paged)
     n = 8 if G >= 64 else 64
@@ -82,7 +62,6 @@ def test_page_and_block_sizes(P, G, paged, dtype):
         both(c)
 
 
-@both_kernels
 @pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -97,7 +76,6 @@ def test_head_dims_and_layouts(D, layout, combined):
         both(c, out_f32=True)
 
 
-@both_kernels
 @pytest.mark.parametrize("Hsel", ["1", "Hkv"])
 @pytest.mark.parametrize("gqa", [1, 4, 8, 16])
 def test_gqa_and_selection_heads(gqa, Hsel):
@@ -109,7 +87,6 @@ def test_gqa_and_selection_heads(gqa, Hsel):
         both(c)
 
 
-@both_kernels
 @pytest.mark.parametrize("gqa", [3, 5, 12])
 def test_odd_gqa_groups(gqa):
     # GQA groups that are not powers of two: the tensor-core kernel's padding rows (GQ..15) never written
@@ -123,7 +100,6 @@ def test_odd_gqa_groups(gqa):
         both(c, out_f32=True)
 
 
-@both_kernels
 @pytest.mark.parametrize("B", [1, 3, 64])
 def test_batch_sizes(B):
     rng = np.random.default_rng(B)
@@ -133,7 +109,6 @@ def test_batch_sizes(B):
     both(c, out_f32=True)
 
 
-@both_kernels
 @pytest.mark.parametrize("n", [0, 1, 2048, 8192])
 @pytest.mark.parametrize("paged", [True, False], ids=["block_table", "slots"])
 def test_selection_sizes(n, paged):
@@ -149,7 +124,6 @@ def test_selection_sizes(n, paged):
         assert torch.all(go == 0) and torch.all(gl == float("-inf"))
 
 
-@both_kernels
 def test_lse_strides_and_strided_out():
     rng = np.random.default_rng(3)
     c = make_case(rng, B=3, Hq=8, Hkv=2, D=128, P=16, block_size=32, n=10, Hsel=2, dtype="bfloat16")
@@ -163,7 +137,6 @@ def test_lse_strides_and_strided_out():
     assert torch.all(big[:, 0] == 5.0) and torch.all(big[:, :, :8] == 5.0)
 
 
-@both_kernels
 def test_empty_rows_and_out_of_range():
     rng = np.random.default_rng(4)
     c = make_case(rng, B=4, Hq=8, Hkv=2, D=64, P=16, block_size=128, n=4, Hsel=2, seq_len=512,
@@ -187,7 +160,6 @@ def _t(a, device="cuda"):
     return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
-@both_kernels
 @pytest.mark.parametrize("paged", [True, False], ids=["block_table", "slots"])
 def test_repair_twice_equals_attention_over_the_union(paged):
     rng = np.random.default_rng(6)
@@ -214,7 +186,6 @@ def test_repair_twice_equals_attention_over_the_union(paged):
     assert_close(to_numpy(lse), rl, nl, "bfloat16", what="repair from empty lse")
 
 
-@both_kernels
 def test_repair_with_an_empty_selection_is_bit_identical():
     rng = np.random.default_rng(7)
     c = make_case(rng, B=3, Hq=8, Hkv=2, D=128, P=16, block_size=16, n=4, dtype="bfloat16")
@@ -249,7 +220,6 @@ def test_partials_are_each_entry_alone(paged, Hsel):
         assert_close(to_numpy(pl), rpl, npl, "bfloat16", what=f"{device} part_lse")
 
 
-@both_kernels
 @pytest.mark.parametrize("Hsel", [1, 2])
 @pytest.mark.parametrize("paged", [True, False], ids=["block_table", "slots"])
 def test_finalize_then_repair_missed_equals_attention(paged, Hsel):
@@ -304,6 +274,13 @@ def test_missed_random_and_edge_cases():
         want = missed_ref(sel, pred)
         assert np.array_equal(got.cpu().numpy(), want), (B, H, n_sel, Hp, n_pred)
         assert np.array_equal(gvr.prr.missed(sel, pred), want)
+        cg = torch.tensor([5, 5, 10, 20], dtype=torch.int64, device="cuda")
+        cc = np.array([5, 5, 10, 20], np.int64)
+        gvr.prr.missed(_t(sel), _t(pred), counts=cg)
+        gvr.prr.missed(sel, pred, counts=cc)
+        n_valid = int(np.count_nonzero(sel >= 0))
+        hits = n_valid - int(np.count_nonzero(want >= 0))
+        assert cg.tolist() == cc.tolist() == [hits, n_valid, 10 + hits, 20 + n_valid], (B, H, n_sel, Hp, n_pred)
     sel = np.array([[[5, -1, 3, 7]]], np.int32)
     assert gvr.prr.missed(_t(sel), _t(np.array([[[3, 5, 7]]], np.int32))).tolist() == [[[-1] * 4]]
     assert gvr.prr.missed(_t(sel), _t(np.array([[[-1]]], np.int32))).tolist() == [[[5, 3, 7, -1]]]
@@ -356,7 +333,6 @@ def test_merge_against_cpu_and_reference(shape, dtype):
 # --------------------------------------------------------------------------------------------------
 
 
-@both_kernels
 def test_determinism_100_calls():
     rng = np.random.default_rng(14)
     c = make_case(rng, B=64, Hq=16, Hkv=2, D=128, P=64, paged=False, n=2048, Hsel=2, extra_pages=300,
@@ -376,7 +352,6 @@ def test_determinism_100_calls():
     check_state(c, o0, l0, what="determinism case")
 
 
-@both_kernels
 def test_cuda_graph_capture_of_attention_and_repair_replays_identically():
     rng = np.random.default_rng(15)
     c = make_case(rng, B=8, Hq=16, Hkv=2, D=128, P=16, block_size=16, n=32, Hsel=2, dtype="bfloat16", seq_len=2048)
@@ -464,7 +439,6 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.gvr.prr_missed.default, (idx, idx[:, :, :1].contiguous()))
 
 
-@both_kernels
 def test_lengths_out_of_range_are_clamped_on_the_gpu():
     # the CPU path raises (it reads lengths on the host); the GPU clamps to [0, max_pages * P] without a sync
     rng = np.random.default_rng(20)
@@ -476,22 +450,3 @@ def test_lengths_out_of_range_are_clamped_on_the_gpu():
     out, lse = gvr.sparse_attention(q, k, v, idx, **kw)
     check_state(c, out, lse, what="clamped lengths")
     assert torch.all(lse[0] == float("-inf"))
-
-
-def test_mma_kernel_is_selected_by_the_environment(monkeypatch):
-    """GVR_ATTN_MMA=1 plans the tensor-core kernel (16 workspace rows per (row, KV head)) for GQ in
-    [3, 16], D 64/128, no partials; the default plan otherwise."""
-    from gvr import _C
-
-    def need(Hq=32, Hkv=8, D=128, partials=False):
-        # (device, B, Hq, Hkv, D, Hsel, n, P, num_pages, block_size, block_table, partials, accumulate)
-        return _C.attention_workspace_size(torch.cuda.current_device(), 1, Hq, Hkv, D, Hkv, 4096, 64, 4096, 1,
-                                           False, partials, False)
-
-    monkeypatch.delenv("GVR_ATTN_MMA", raising=False)
-    shapes = [dict(), dict(D=64), dict(D=256), dict(Hq=16), dict(partials=True)]
-    base = [need(**k) for k in shapes]
-    monkeypatch.setenv("GVR_ATTN_MMA", "1")
-    mma = [need(**k) for k in shapes]
-    assert base[0] > 0 and mma[0] > base[0] and mma[1] > base[1], (base, mma)  # GQ 4, D 128 / 64: mma plan
-    assert mma[2:] == base[2:], (base, mma)  # D 256, GQ 2, partials: the default kernel

@@ -7,13 +7,9 @@ predict + update, bad inputs. (The calibration time belongs to the benchmark, no
 Every test is collected; each is skipped, with the reason, where torch with a CUDA device or gvr's
 CUDA library is missing (conftest.py, harness.gpu_skip_reason).
 """
-import os
 
 import numpy as np
 import pytest
-
-# these CUDA paths raise NotImplementedError until their GPU tests have passed once (csrc/dispatch.h)
-os.environ["GVR_UNVERIFIED_CUDA"] = "1"
 
 from gvr import data
 from gvr._prr_ema import EMAPredictor, calibrate, calibration_hit_rates

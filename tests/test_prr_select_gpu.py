@@ -7,13 +7,9 @@ sets. The CUDA path is deterministic, runs on the caller's stream and replays fr
 Every test is collected; each is skipped, with the reason, where torch with a CUDA device or gvr's
 CUDA library is missing (conftest.py, harness.gpu_skip_reason).
 """
-import os
 
 import numpy as np
 import pytest
-
-# these CUDA paths raise NotImplementedError until their GPU tests have passed once (csrc/dispatch.h)
-os.environ["GVR_UNVERIFIED_CUDA"] = "1"
 
 from gvr import _prr_select as prr
 from harness import torch_or_none

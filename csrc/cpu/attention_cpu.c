@@ -779,11 +779,16 @@ static int missed_unit(void *vctx, int64_t unit)
     for (int h = h0; h < h1; h++) {
         const int32_t *sel = p->selected + b * p->sel_stride_b + (int64_t)h * p->sel_stride_h;
         int32_t *out = p->out + b * p->out_stride_b + (int64_t)h * p->out_stride_h;
-        int64_t j = 0;
+        int64_t j = 0, valid = 0;
         for (int64_t e = 0; e < p->n_sel; e++) {
             const int32_t x = sel[e]; /* read before out[j], j <= e, is written: out may be selected */
+            valid += x >= 0;
             if (x >= 0 && !contains(mem, m, x))
                 out[j++] = x;
+        }
+        if (p->counts) { /* integer sums: the same whatever the threads' order */
+            __atomic_fetch_add(p->counts + 0, valid - j, __ATOMIC_RELAXED);
+            __atomic_fetch_add(p->counts + 1, valid, __ATOMIC_RELAXED);
         }
         for (; j < p->n_sel; j++)
             out[j] = -1;
@@ -794,11 +799,18 @@ static int missed_unit(void *vctx, int64_t unit)
 
 int prr_missed_cpu(const gvr_missed_params *p)
 {
+    if (p->counts)
+        p->counts[0] = p->counts[1] = 0;
     if (p->B <= 0 || p->H <= 0 || p->n_sel <= 0)
         return 0;
     const int64_t units = p->Hp == 1 ? p->B : (int64_t)p->B * p->H;
     const int64_t work = (int64_t)p->B * p->H * ((int64_t)p->n_sel + (p->n_pred > 0 ? p->n_pred : 0)) * 8;
-    return gvr_parallel_rows(units, work, missed_unit, (void *)p);
+    const int rc = gvr_parallel_rows(units, work, missed_unit, (void *)p);
+    if (rc == 0 && p->counts) {
+        p->counts[2] += p->counts[0];
+        p->counts[3] += p->counts[1];
+    }
+    return rc;
 }
 
 /* ---- prr.finalize ----------------------------------------------------------------------------- */

@@ -11,10 +11,10 @@
  *    the entries, at most ceil(tokens / MIN_SPLIT_TOKENS), at most MAX_SPLITS;
  *  - grid = units * S CTAs of 128 threads; workspace (S > 1): the split states and one counter per
  *    unit.
- * GVR_ATTN_MMA=1 (read per call; unverified on a GPU so far): GQA groups of 3..16 heads with D 64/128 and
- * no partials take the tensor-core kernel (decode_mma.cuh, instances in decode_mma.cu) with the same
- * plan but nch = 1, HC = 16 rows (units = B * Hkv) and MMA_RESIDENT CTAs per SM; the counter region
- * is the same for both kernels. */
+ * MIN_SPLIT_TOKENS 64 (measured on the H100, 2026-11-23: B=1, 1K tokens 15.8 -> 14.5 us cold against 128,
+ * no change at 4K/8K/B=64, 32 and 16 no better). A tensor-core variant (mma.sync for q.K and P.V) and a
+ * cp.async ring of 4 steps of K/V per CTA were measured and dropped: no faster at B=1 (28.1 vs 27.7 us at
+ * 8K; the ring 32.6), the ring slower at B=64. */
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -22,7 +22,6 @@
 #include <cstring>
 
 #include "attention/decode.cuh"
-#include "attention/decode_mma.cuh"
 #include "common/device.cuh"
 #include "common/runtime.cuh"
 #include "gvr_kernels.h"
@@ -33,12 +32,11 @@ namespace gvr::attn {
 namespace {
 
 #ifndef GVR_DECODE_MIN_SPLIT_TOKENS
-#define GVR_DECODE_MIN_SPLIT_TOKENS 128
+#define GVR_DECODE_MIN_SPLIT_TOKENS 64
 #endif
 constexpr long long MIN_SPLIT_TOKENS = GVR_DECODE_MIN_SPLIT_TOKENS;
 
 struct Plan {
-    bool mma; /* the tensor-core kernel (decode_mma.cuh): one CTA per (b, KV head, split), 16 rows */
     int HC, nch, S;
     long long units;
     size_t cnt_bytes, o_bytes, ml_bytes; /* workspace parts (0 when S == 1) */
@@ -47,40 +45,20 @@ struct Plan {
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-/* The tensor-core kernel (decode_mma.cuh), UNVERIFIED on a GPU so far: taken only when the environment
- * says GVR_ATTN_MMA=1 (read on every call, by the workspace query and the call alike, so that both
- * plan the same), for GQA groups of MMA_MIN_GQ..16 heads, head dims 64 and 128, without partials. */
-bool use_mma(const gvr_attention_params *p)
-{
-    const char *env = getenv("GVR_ATTN_MMA");
-    if (!env || strcmp(env, "1") != 0 || p->Hkv <= 0 || p->Hq % p->Hkv)
-        return false;
-    const int GQ = p->Hq / p->Hkv;
-    return GQ >= MMA_MIN_GQ && GQ <= MMA_ROWS && p->part_out == nullptr && (p->D == 64 || p->D == 128) &&
-           (p->dtype == GVR_ELEM_F16 || p->dtype == GVR_ELEM_BF16);
-}
-
 Plan make_plan(const gvr_attention_params *p, int sms)
 {
     Plan g{};
     const int GQ = p->Hkv > 0 ? p->Hq / p->Hkv : 1;
-    g.mma = use_mma(p);
-    if (g.mma) {
-        g.nch = 1;
-        g.HC = MMA_ROWS; /* workspace rows per unit */
-    } else {
-        g.nch = (GQ + 7) / 8;
-        const int per = (GQ + g.nch - 1) / g.nch;
-        g.HC = per <= 1 ? 1 : per <= 2 ? 2 : per <= 4 ? 4 : 8;
-    }
+    g.nch = (GQ + 7) / 8;
+    const int per = (GQ + g.nch - 1) / g.nch;
+    g.HC = per <= 1 ? 1 : per <= 2 ? 2 : per <= 4 ? 4 : 8;
     g.units = (long long)p->B * p->Hkv * g.nch;
     const long long G = p->block_table ? p->block_size : 1;
     const long long tokens = (long long)p->n * G;
     long long S = 1;
     /* one wave: the CTAs resident at once (the instances' __launch_bounds__ guarantee) */
     const int most = resident_ctas(1) > resident_ctas(8) ? resident_ctas(1) : resident_ctas(8);
-    /* the mma kernel's residency, capped by `most` so that its units fit the counter region below */
-    const int res = g.mma ? (MMA_RESIDENT < most ? MMA_RESIDENT : most) : resident_ctas(g.HC);
+    const int res = resident_ctas(g.HC);
     const long long target = (long long)res * (sms > 0 ? sms : 1);
     if (g.units > 0 && 2 * g.units <= target && p->n > 1) {
         S = target / g.units;
@@ -133,15 +111,6 @@ cudaError_t launch(int elem, bool part, int D, int HC, const DecodeArgs &a, unsi
     if (elem == GVR_ELEM_F16)
         return part ? launch_d<GVR_ELEM_F16, true>(D, HC, a, grid, st) : launch_d<GVR_ELEM_F16, false>(D, HC, a, grid, st);
     return part ? launch_d<GVR_ELEM_BF16, true>(D, HC, a, grid, st) : launch_d<GVR_ELEM_BF16, false>(D, HC, a, grid, st);
-}
-
-cudaError_t launch_mma(int elem, int D, const DecodeArgs &a, unsigned grid, cudaStream_t st)
-{
-    if (elem == GVR_ELEM_F16)
-        return D == 64 ? DecodeMmaInstance<GVR_ELEM_F16, 64>::launch(a, grid, st)
-                       : DecodeMmaInstance<GVR_ELEM_F16, 128>::launch(a, grid, st);
-    return D == 64 ? DecodeMmaInstance<GVR_ELEM_BF16, 64>::launch(a, grid, st)
-                   : DecodeMmaInstance<GVR_ELEM_BF16, 128>::launch(a, grid, st);
 }
 
 bool aligned(const void *ptr, size_t a) { return ((uintptr_t)ptr % a) == 0; }
@@ -279,10 +248,7 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
         a.ws_o = (float *)(ws + g.cnt_bytes);
         a.ws_ml = (float *)(ws + g.cnt_bytes + g.o_bytes);
     }
-    if (g.mma)
-        e = launch_mma(p->dtype, p->D, a, (unsigned)grid, stream);
-    else
-        e = launch(p->dtype, p->part_out != nullptr, p->D, g.HC, a, (unsigned)grid, stream);
+    e = launch(p->dtype, p->part_out != nullptr, p->D, g.HC, a, (unsigned)grid, stream);
     if (e != cudaSuccess)
         return gvr::set_error("gvr_sparse_attention: kernel launch", e);
     return 0;

@@ -376,6 +376,7 @@ __global__ void __launch_bounds__(MISSED_THREADS) missed_kernel(gvr_missed_param
     const int half = 1 << (bits - 1); /* predicted entries per set */
     const bool resident = p.n_pred <= half;
     const int64_t rows = (int64_t)p.B * p.H;
+    long long n_valid = 0, n_missed = 0; /* this thread's valid entries; thread 0: the missed ones */
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
         const int64_t b = row / p.H;
         const int h = (int)(row - b * p.H);
@@ -392,6 +393,7 @@ __global__ void __launch_bounds__(MISSED_THREADS) missed_kernel(gvr_missed_param
                 const int e = t0 + (int)threadIdx.x * MISSED_ITEMS + i;
                 x[i] = e < p.n_sel ? sel[e] : -1;
                 f[i] = x[i] >= 0;
+                n_valid += f[i];
             }
             if (resident) {
 #pragma unroll
@@ -416,9 +418,26 @@ __global__ void __launch_bounds__(MISSED_THREADS) missed_kernel(gvr_missed_param
             count += total;
             __syncthreads(); /* scan_tmp and the set are reused */
         }
+        if (threadIdx.x == 0)
+            n_missed += count;
         for (int i = count + (int)threadIdx.x; i < p.n_sel; i += MISSED_THREADS)
             out[i] = -1;
         __syncthreads();
+    }
+    if (p.counts) { /* hits = valid - missed; per warp one atomic of each (two's complement adds) */
+        long long hits = n_valid - n_missed, valid = n_valid;
+#pragma unroll
+        for (int off = 16; off >= 1; off >>= 1) {
+            hits += __shfl_xor_sync(0xffffffffu, hits, off);
+            valid += __shfl_xor_sync(0xffffffffu, valid, off);
+        }
+        if ((threadIdx.x & 31) == 0) {
+            unsigned long long *c = (unsigned long long *)p.counts;
+            atomicAdd(c + 0, (unsigned long long)hits);
+            atomicAdd(c + 2, (unsigned long long)hits);
+            atomicAdd(c + 1, (unsigned long long)valid);
+            atomicAdd(c + 3, (unsigned long long)valid);
+        }
     }
 }
 
@@ -718,6 +737,11 @@ GVR_API int gvr_merge_states(const gvr_merge_params *p, void *stream)
 
 GVR_API int gvr_prr_missed(const gvr_missed_params *p, void *stream)
 {
+    if (p->counts) { /* this call's counts start at 0 (a memset node when captured) */
+        const cudaError_t e = cudaMemsetAsync(p->counts, 0, 2 * sizeof(int64_t), (cudaStream_t)stream);
+        if (e != cudaSuccess)
+            return gvr::set_error("gvr_prr_missed: cudaMemsetAsync", e);
+    }
     if (p->B <= 0 || p->H <= 0 || p->n_sel <= 0)
         return 0;
     if (p->n_pred < 0 || (p->Hp != 1 && p->Hp != p->H))
