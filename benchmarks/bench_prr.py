@@ -65,6 +65,7 @@ HQ, HKV, D, P, G, KB = 32, 8, 128, 64, 64, 64
 def cuda_steps(gvr, torch, args):
     """The graph-replayed step table (see the module docstring) -> list of cells."""
     from gvr import _prr_runtime as R
+    from gvr._prr_budget import paged_decode_case
     timer = H.CudaTimer(torch, flush_bytes=0)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev)
@@ -80,17 +81,9 @@ def cuda_steps(gvr, torch, args):
     print(H.format_table(headers, []).split("\n")[0], flush=True)
     for B in batches:
         for ctx in contexts:
-            pages = B * ctx // P
-            Kc = torch.randn(pages, P, HKV, D, generator=gen, device=dev, dtype=torch.bfloat16)
-            Vc = torch.randn(pages, P, HKV, D, generator=gen, device=dev, dtype=torch.bfloat16)
-            bt = torch.randperm(pages, generator=gen, device=dev).int().view(B, ctx // P)
-            lengths = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-            meta = gvr.prr.block_metadata(Kc, bt, lengths, block_size=G)
-            qf = torch.randn(B, HQ, D, generator=gen, device=dev)
-            qs = []
-            for _ in range(S):
-                qf = rho * qf + (1 - rho * rho) ** 0.5 * torch.randn(B, HQ, D, generator=gen, device=dev)
-                qs.append(qf.bfloat16())
+            case = paged_decode_case(torch, B, ctx, HQ, HKV, D, P, S, persistence=rho, generator=gen, device=dev,
+                                     dtype=torch.bfloat16)
+            Kc, Vc, bt, lengths, meta, qs = case.K, case.V, case.block_table, case.lengths, case.meta, case.queries
             qbuf = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
             sel = torch.full((B, HKV, KB), -1, dtype=torch.int32, device=dev)
             out = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
@@ -181,7 +174,7 @@ def cuda_steps(gvr, torch, args):
                    f"{worst:.1e}", "ok" if cell["correct"] else "FAIL"]
             print(H.format_table(headers, [row]).split("\n")[-1], flush=True)
             cells.append(cell)
-            del Kc, Vc, meta, runtimes
+            del Kc, Vc, meta, runtimes, case
             torch.cuda.empty_cache()
     return cells
 

@@ -10,7 +10,7 @@
 #include "intake.h"
 #include "ops.h"
 
-enum { SCORES, PREV, LENGTHS, OUT, NARGS };
+enum { SCORES, PREV, LENGTHS, OUT, BT, OPOS, NARGS };
 
 /* argument i's nosync bit is bit i (gvr/_interop.py sets them in this order) */
 static const gvr_arg_spec topk_args[NARGS] = {
@@ -21,15 +21,22 @@ static const gvr_arg_spec topk_args[NARGS] = {
                  GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
     [OUT] = {"out", GVR_DT(GVR_DTYPE_I32), "B,K|K", GVR_HOST | GVR_DEVICE, GVR_OUTPUT | GVR_ALLOC | GVR_UNIT_LAST,
              NULL, "scores"},
+    [BT] = {"block_table", GVR_DT(GVR_DTYPE_I32), "B,max_pages|max_pages", GVR_HOST | GVR_DEVICE,
+            GVR_OPTIONAL | GVR_UNIT_LAST, NULL, "scores"},
+    [OPOS] = {"out_positions", GVR_DT(GVR_DTYPE_I32), "B,K|K", GVR_HOST | GVR_DEVICE,
+              GVR_OPTIONAL | GVR_OUTPUT | GVR_UNIT_LAST, NULL, "scores"},
 };
 const gvr_spec gvr_topk_spec = {"topk_decode", NARGS, topk_args};
 
 const char gvr_topk_doc[] =
-    "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream, method, nosync)\n--\n\n"
+    "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream, method, nosync, block_table, page_size,\n"
+    "            out_positions)\n--\n\n"
     "Exact Top-K of each row of scores into out (int32). See gvr.topk_decode.\n"
+    "block_table (int32 [B, max_pages]) with page_size: out holds physical slots, out_positions the positions.\n"
     "sorted: a bool. method: 'auto', 'gvr' or 'radix' (CUDA paths; the CPU has one implementation).\n"
     "stream: the CUDA stream of a call on CUDA buffers; host buffers ignore it.\n"
-    "nosync: bit i set (i = 0 scores, 1 prev_topk, 2 lengths, 3 out) when that argument's\n"
+    "nosync: bit i set (i = 0 scores, 1 prev_topk, 2 lengths, 3 out, 4 block_table, 5 out_positions) when\n"
+    "that argument's\n"
     "producer runs on `stream` as its current stream: its DLPack export gets stream=-1.";
 
 static int parse_method(PyObject *o, int *method)
@@ -82,6 +89,8 @@ static int run_cpu(gvr_topk_params *p, const gvr_view *ln, int32_t *len_copy)
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = topk_decode_cpu(p);
+    if (rc == 0 && (p->block_table || p->out_pos))
+        topk_map_cpu(p);
     Py_END_ALLOW_THREADS
     if (rc) {
         PyErr_NoMemory();
@@ -149,16 +158,18 @@ static int run_cuda(gvr_topk_params *p, const gvr_intake *in, intptr_t stream, i
 PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
-    static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", "nosync", NULL};
-    PyObject *obj[NARGS] = {NULL, NULL, Py_None, Py_None};
-    PyObject *o_k, *o_sorted = Py_False, *o_stream = Py_None, *o_method = NULL, *o_nosync = NULL;
+    static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", "nosync",
+                             "block_table", "page_size", "out_positions", NULL};
+    PyObject *obj[NARGS] = {NULL, NULL, Py_None, Py_None, Py_None, Py_None};
+    PyObject *o_k, *o_sorted = Py_False, *o_stream = Py_None, *o_method = NULL, *o_nosync = NULL, *o_page = Py_None;
     PyObject *result = NULL;
     int32_t *len_copy = NULL;
     gvr_intake in;
     gvr_intake_init(&in);
     obj[OUT] = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOO:topk_decode", kwlist, &obj[SCORES], &o_k, &obj[PREV],
-                                     &obj[LENGTHS], &obj[OUT], &o_sorted, &o_stream, &o_method, &o_nosync))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOOO:topk_decode", kwlist, &obj[SCORES], &o_k, &obj[PREV],
+                                     &obj[LENGTHS], &obj[OUT], &o_sorted, &o_stream, &o_method, &o_nosync, &obj[BT],
+                                     &o_page, &obj[OPOS]))
         return NULL;
     unsigned nosync;
     int method, sorted;
@@ -171,6 +182,27 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
         goto fail;
     if (k > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "'k' must be at most %d, got %zd", INT32_MAX, k);
+        goto fail;
+    }
+    Py_ssize_t page = 0;
+    if (obj[BT] != Py_None) {
+        if (o_page == Py_None) {
+            PyErr_SetString(PyExc_ValueError, "'page_size' is required with 'block_table' (tokens per page, >= 1)");
+            goto fail;
+        }
+        if (gvr_parse_int(o_page, "page_size", &page) < 0)
+            goto fail;
+        if (page < 1 || page > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "'page_size' must be an int in [1, %d], got %zd", INT32_MAX, page);
+            goto fail;
+        }
+    } else if (o_page != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "'page_size' applies only with 'block_table': pass block_table or leave "
+                        "page_size None");
+        goto fail;
+    } else if (obj[OPOS] != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "'out_positions' applies only with 'block_table' (without it, 'out' holds "
+                        "the positions)");
         goto fail;
     }
     if (gvr_intake_bind(&in, "K", k, "k") < 0 || gvr_intake_run(&in, &gvr_topk_spec, obj, stream, nosync) < 0)
@@ -202,6 +234,20 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     p.method = method;
     p.out = (int32_t *)ot->data;
     p.out_stride = one_d ? k : ot->strides[0];
+    const gvr_view *bt = &in.view[BT], *op = &in.view[OPOS];
+    if (bt->data) {
+        const int64_t max_pages = gvr_intake_dim(&in, "max_pages");
+        if (N > max_pages * (int64_t)page) {
+            PyErr_Format(PyExc_ValueError, "'block_table' must cover every score position: N = %lld > max_pages * "
+                         "page_size = %lld * %zd", (long long)N, (long long)max_pages, page);
+            goto fail;
+        }
+        p.block_table = (const int32_t *)bt->data;
+        p.bt_stride = one_d ? 0 : bt->strides[0];
+        p.page_size = (int32_t)page;
+        p.out_pos = (int32_t *)op->data;
+        p.out_pos_stride = op->data ? (one_d ? k : op->strides[0]) : 0;
+    }
     if (in.view[LENGTHS].data && !(len_copy = malloc((size_t)(B ? B : 1) * sizeof *len_copy))) {
         PyErr_NoMemory();
         goto fail;

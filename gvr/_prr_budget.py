@@ -28,6 +28,30 @@ def _median(xs):
     return float(np.median(np.asarray(xs, dtype=np.float64)))
 
 
+def paged_decode_case(torch, B, context, Hq, Hkv, D, page, steps, *, persistence, generator, device, dtype):
+    """The synthetic decode workload of Budget.profile, benchmarks/bench_prr.py and
+    scripts/prr_step_profile.py: K and V [B * context / page, page, Hkv, D] N(0, 1) in ``dtype``, each
+    row's pages in shuffled order (``block_table`` int32 [B, context / page]), ``lengths`` = context,
+    Quest metadata over blocks of ``page`` tokens, and ``steps`` queries [B, Hq, D] drifting as an AR(1)
+    of correlation ``persistence``. -> SimpleNamespace(K, V, block_table, lengths, meta, queries)."""
+    from types import SimpleNamespace
+    from ._prr_select import block_metadata
+    g, dev = generator, device
+    pages = B * context // page
+    K = torch.randn(pages, page, Hkv, D, generator=g, device=dev, dtype=dtype)
+    V = torch.randn(pages, page, Hkv, D, generator=g, device=dev, dtype=dtype)
+    bt = torch.randperm(pages, generator=g, device=dev).to(torch.int32).view(B, context // page)
+    lengths = torch.full((B,), context, dtype=torch.int32, device=dev)
+    qf = torch.randn(B, Hq, D, generator=g, device=dev)
+    qs = []
+    for _ in range(steps):
+        qf = persistence * qf + math.sqrt(max(0.0, 1 - persistence ** 2)) * torch.randn(B, Hq, D, generator=g,
+                                                                                         device=dev)
+        qs.append(qf.to(dtype))
+    return SimpleNamespace(K=K, V=V, block_table=bt, lengths=lengths, queries=qs,
+                           meta=block_metadata(K, bt, lengths, block_size=page))
+
+
 class Budget:
     """A speculation-budget table: per profiled context, the step times measured and the chosen rho.
 
@@ -105,7 +129,7 @@ class Budget:
         eager steps (median per step)."""
         from . import attention as _att
         from ._prr_runtime import SpeculativeAttention, quest_select
-        from ._prr_select import block_metadata, select_blocks
+        from ._prr_select import select_blocks
         ratios = sorted({float(r) for r in ratios})
         if not ratios or any(not (math.isfinite(r) and r > 0) for r in ratios):
             raise ValueError(f"'ratios' must be floats > 0, got {ratios!r}")
@@ -165,18 +189,9 @@ class Budget:
         rows = {}
         B = batch
         for ctx in contexts:
-            pages = B * ctx // G
-            K = torch.randn(pages, G, Hkv, D, generator=gen, device=dev, dtype=dt)
-            V = torch.randn(pages, G, Hkv, D, generator=gen, device=dev, dtype=dt)
-            bt = torch.randperm(pages, generator=gen, device=dev).to(torch.int32).view(B, ctx // G)
-            lengths = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-            meta = block_metadata(K, bt, lengths, block_size=G)
-            qf = torch.randn(B, Hq, D, generator=gen, device=dev)
-            qs = []
-            for _ in range(steps):
-                qf = persistence * qf + math.sqrt(max(0.0, 1 - persistence ** 2)) * torch.randn(
-                    B, Hq, D, generator=gen, device=dev)
-                qs.append(qf.to(dt))
+            c = paged_decode_case(torch, B, ctx, Hq, Hkv, D, G, steps, persistence=persistence, generator=gen,
+                                  device=dev, dtype=dt)
+            K, V, bt, lengths, meta, qs = c.K, c.V, c.block_table, c.lengths, c.meta, c.queries
             q = torch.empty(B, Hq, D, dtype=dt, device=dev)
             sel = torch.full((B, Hkv, k), -1, dtype=torch.int32, device=dev)
             out = torch.empty(B, Hq, D, dtype=dt, device=dev)
@@ -221,7 +236,7 @@ class Budget:
                     best, best_us = rho, row["prr_us"][str(rho)]
             row["best"] = best
             rows[str(ctx)] = row
-            del K, V, meta
+            del K, V, meta, c
             if not cpu:
                 torch.cuda.empty_cache()
         name = "cpu" if cpu else torch.cuda.get_device_name(dev)

@@ -25,12 +25,14 @@ def _out_shape(scores, k):
     return (k,) if len(shape) == 1 else (int(shape[0]), k)
 
 
-def _eager(scores, k, prev_topk, lengths, out, sorted, stream, method):
+def _eager(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table=None, page_size=None,
+           out_positions=None):
     fw = framework(scores)
     if out is None:
         out = empty(scores, fw, _out_shape(scores, k), "int32")
-    (s, p, n, o), stream, nosync = prepare(fw, scores, (scores, prev_topk, lengths, out), stream)
-    r = _C.topk_decode(s, k, p, n, o, sorted, stream, method, nosync)
+    (s, p, n, o, bt, op), stream, nosync = prepare(fw, scores, (scores, prev_topk, lengths, out, block_table,
+                                                                out_positions), stream)
+    r = _C.topk_decode(s, k, p, n, o, sorted, stream, method, nosync, bt, page_size, op)
     return r if out is None else out
 
 
@@ -58,17 +60,42 @@ _op_out = define_op("topk_decode_out", f"({_ARGS}, Tensor(a!) out, bool sorted, 
                     impl=_impl_out, fake=_fake_out, mutates_args=("out",))
 
 
-def _traced(scores, k, prev_topk, lengths, out, sorted, stream, method):
+def _impl_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method):
+    pos = _fake(scores, k, prev_topk, lengths, sorted, method)
+    pos = sys.modules["torch"].empty_like(pos)
+    slots = _eager(scores, k, prev_topk, lengths, None, sorted, None, method, block_table, page_size, pos)
+    return slots, pos
+
+
+def _fake_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method):
+    return (_fake(scores, k, prev_topk, lengths, sorted, method), _fake(scores, k, prev_topk, lengths, sorted, method))
+
+
+_op_pt = define_op("topk_decode_page_table",
+                   f"({_ARGS}, Tensor block_table, int page_size, bool sorted, str method) -> (Tensor, Tensor)",
+                   impl=_impl_pt, fake=_fake_pt)
+
+
+def _traced(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table=None, page_size=None,
+            out_positions=None):
     if stream is not None:
         raise ValueError("'stream' is not supported under torch.compile: call gvr.topk_decode inside "
                          "`with torch.cuda.stream(s):` instead")
+    if block_table is not None:
+        if page_size is None:
+            raise ValueError("'page_size' is required with 'block_table' (tokens per page, >= 1)")
+        slots, pos = _op_pt.call(scores, k, prev_topk, lengths, block_table, page_size, sorted, method)
+        if out_positions is not None:
+            out_positions.copy_(pos)
+        return slots if out is None else out.copy_(slots)
     if out is None:
         return _op.call(scores, k, prev_topk, lengths, sorted, method)
     _op_out.call(scores, k, prev_topk, lengths, out, sorted, method)
     return out
 
 
-def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=False, stream=None, method="auto"):
+def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=False, stream=None, method="auto",
+                block_table=None, page_size=None, out_positions=None):
     """Exact Top-K of each row of ``scores``, warm-started by the previous decode step's Top-K.
 
     scores:    float32 ``[B, N]`` (or ``[N]``); unit stride along N, any row stride. NumPy arrays,
@@ -88,6 +115,14 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
     method:    "auto" (the fastest exact path for the shape and hint), "gvr" or "radix" — a CUDA
                choice. Every method gives the same result; on the CPU all three run its one
                implementation, so code written for the GPU runs unchanged there.
+    block_table, page_size: DSA's page-table transform, fused into the Top-K: with an int32
+               ``[B, max_pages]`` (``[max_pages]`` for 1-D scores) block table of pages of
+               ``page_size`` tokens (max_pages * page_size >= N), ``out`` receives the physical KV
+               slots ``block_table[b, p // page_size] * page_size + p % page_size`` of the selected
+               positions p (-1 stays -1; a page < 0 gives -1; slots must fit in int32) -- what
+               ``gvr.sparse_attention`` and FlashMLA take as token indices without a block table.
+    out_positions: int32 like ``out``, with ``block_table`` only: receives the positions too (the
+               next step's ``prev_topk``).
 
     Returns int32 indices: per row, the min(k, length) first elements of the order (value
     descending, -inf valid, NaN below -inf, -0.0 == +0.0, ties to the lower index), then -1.
@@ -96,5 +131,6 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
     with ``out=``), with fake implementations, so compiled graphs hold it without a graph break.
     """
     if compiling():
-        return _traced(scores, k, prev_topk, lengths, out, sorted, stream, method)
-    return _eager(scores, k, prev_topk, lengths, out, sorted, stream, method)
+        return _traced(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table, page_size,
+                       out_positions)
+    return _eager(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table, page_size, out_positions)

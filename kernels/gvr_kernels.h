@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 6
+#define GVR_ABI_VERSION 7
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -51,7 +51,12 @@ enum { GVR_TOPK_AUTO = 0, GVR_TOPK_GVR = 1, GVR_TOPK_RADIX = 2 };
  * lower index; kernels/common/gvr_keys.h), then -1. With sorted != 0 they appear in that order;
  * otherwise in an order that is deterministic but unspecified.
  * prev (nullable): the previous step's Top-K, row b at prev[b*prev_stride + 0 .. Kp) (prev_stride 0
- * broadcasts one row). A hint: any content (out of range, -1, duplicates) gives the same result. */
+ * broadcasts one row). A hint: any content (out of range, -1, duplicates) gives the same result.
+ * block_table (nullable; DSA page-table transform, fused): out holds physical slots instead of
+ * positions, slot(p) = bt[p / page_size] * page_size + p % page_size with bt = block_table +
+ * b*bt_stride (-1 stays -1; a page < 0 gives -1); every position < N must have its page in the row
+ * (N <= max_pages * page_size, the intake checks). out_pos (nullable): the positions as well, row b
+ * at out_pos[b*out_pos_stride + 0 .. k), -1 padded. */
 typedef struct {
     const float *scores;
     int64_t row_stride;
@@ -66,6 +71,11 @@ typedef struct {
     int32_t method;
     int32_t *out;
     int64_t out_stride;
+    const int32_t *block_table;
+    int64_t bt_stride;
+    int32_t page_size;
+    int32_t *out_pos;
+    int64_t out_pos_stride;
 } gvr_topk_params;
 
 /* The kernels read each row in 16-byte aligned coordinates: position q holds element q - s, s = the

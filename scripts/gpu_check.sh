@@ -13,6 +13,7 @@
 #   prrbench benchmarks/bench_prr.py --cuda (PRR step timing, calibration on CUDA)
 #   prrprof  Nsight Compute kernel durations of one serial and one PRR step (CSV)
 #   budget   gvr.prr.Budget.profile on this GPU -> $OUT/budget.json
+#   topkpt   topk_decode's page-table transform: GPU tests, top-k sanitizer cases, benchmarks/bench_page_table.py
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
 #            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
@@ -121,6 +122,14 @@ budget() {  # gvr.prr.Budget.profile on this GPU -> $OUT/budget.json (the shippe
 for c, r in b.table['contexts'].items(): print(c, {k: (round(v, 1) if isinstance(v, float) else {kk: round(vv, 2) for kk, vv in v.items()}) for k, v in r.items()})") 2>&1 | tee "$OUT/budget.log" | tail -8
 }
 
+topkpt() {  # issue 15's page-table transform: its GPU tests, the top-k sanitizer cases, its benchmark
+  say "GPU tests (topk page table)"
+  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py) 2>&1 | tee "$OUT/pytest_topk_pt.log" | tail -6
+  sanitize topk
+  say "bench_page_table"
+  (cd /tmp && timeout 200 $PY "$ROOT/benchmarks/bench_page_table.py") 2>&1 | tee "$OUT/bench_page_table.log" | tail -14
+}
+
 ncu_b1() {  # Nsight Compute on the B=1 cells of 1K and 8K tokens
   for tok in 1024 8192; do
     say "ncu B=1 $tok tokens"
@@ -145,6 +154,7 @@ for mode in "${@:-check}"; do
     prrbench) prrbench ;;
     prrprof) prrprof ;;
     budget) budget ;;
+    topkpt) topkpt ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

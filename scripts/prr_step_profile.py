@@ -8,6 +8,7 @@ import torch
 
 import gvr
 from gvr import _prr_runtime as R
+from gvr._prr_budget import paged_decode_case
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--context", type=int, default=131072)
@@ -18,22 +19,16 @@ HQ, HKV, D, P, G, KB = 32, 8, 128, 64, 64, 64
 B, ctx = 1, a.context
 dev = "cuda"
 gen = torch.Generator(device=dev).manual_seed(0)
-pages = B * ctx // P
-K = torch.randn(pages, P, HKV, D, generator=gen, device=dev, dtype=torch.bfloat16)
-V = torch.randn(pages, P, HKV, D, generator=gen, device=dev, dtype=torch.bfloat16)
-bt = torch.randperm(pages, generator=gen, device=dev).int().view(B, ctx // P)
-lengths = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-meta = gvr.prr.block_metadata(K, bt, lengths, block_size=G)
+case = paged_decode_case(torch, B, ctx, HQ, HKV, D, P, 4, persistence=0.95, generator=gen, device=dev,
+                         dtype=torch.bfloat16)
+K, V, bt, lengths, meta = case.K, case.V, case.block_table, case.lengths, case.meta
 sel = torch.full((B, HKV, KB), -1, dtype=torch.int32, device=dev)
 out = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
 sa = R.SpeculativeAttention(B, HQ, HKV, D, ctx // G, block_size=G, k=KB, mode=a.mode, predictor=a.predictor,
                             device=dev, dtype="bfloat16")
 fn = R.quest_select(meta, KB, lengths, block_size=G) if a.predictor == "ema" else (
     lambda q: gvr.prr.select_blocks(q, meta, KB, lengths, block_size=G, out=sel))
-qf = torch.randn(B, HQ, D, generator=gen, device=dev)
-for i in range(4):
-    qf = 0.95 * qf + 0.31 * torch.randn(B, HQ, D, generator=gen, device=dev)
-    q = qf.bfloat16()
+for i, q in enumerate(case.queries):
     torch.cuda.synchronize()
     if i == 3:
         torch.cuda.nvtx.range_push("step")

@@ -53,6 +53,15 @@ if only in (None, "topk"):
             for method in ("auto", "gvr", "radix"):
                 got = gvr.topk_decode(view, 64, method=method).cpu().numpy()
                 assert (np.sort(got, 1) == np.sort(want, 1)).all(), (N, s, method)
+    # the fused page-table transform (positions too), unsorted and sorted, every method
+    bt = torch.randperm(2 * 70001 // 16 + 4, device="cuda")[: 70001 // 16 + 1].int()[None].repeat(2, 1)
+    xs = torch.from_numpy(rng.standard_normal((2, 70001)).astype(np.float32)).cuda()
+    for s in (False, True):
+        for method in ("gvr", "radix"):
+            pos = torch.empty(2, 300, dtype=torch.int32, device="cuda")
+            slots = gvr.topk_decode(xs, 300, block_table=bt, page_size=16, out_positions=pos, sorted=s, method=method)
+            want = bt.long().gather(1, pos.long() // 16) * 16 + pos.long() % 16
+            assert torch.equal(slots.long(), want), (s, method)
     torch.cuda.synchronize()
     print("sanitize case: top-k ok")
 

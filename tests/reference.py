@@ -134,3 +134,16 @@ def same_bits(a, b) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def page_table_slots(positions, block_table, page_size) -> np.ndarray:
+    """DSA's page-table transform, NumPy: position p of row b -> block_table[b, p // page_size] *
+    page_size + p % page_size; -1 stays -1, and so does a position whose page is < 0."""
+    pos = np.asarray(positions, dtype=np.int64)
+    bt = np.asarray(block_table, dtype=np.int64)
+    one_d = pos.ndim == 1
+    pos2, bt2 = (pos[None], bt[None]) if one_d else (pos, bt)
+    safe = np.maximum(pos2, 0)
+    page = np.take_along_axis(bt2, safe // page_size, axis=1)
+    out = np.where((pos2 >= 0) & (page >= 0), page * page_size + safe % page_size, -1).astype(np.int32)
+    return out[0] if one_d else out

@@ -361,7 +361,7 @@ def _iso_cuda_stream_handshake():
             _C.topk_decode(fake, K, None, None, None, False, stream, "auto", nosync)
         assert [c["stream"] for c in fake.calls] == [want], (nosync, stream, fake.calls)
         fake.assert_ownership_ok()
-    for bad in (-1, 16, 1 << 70, "1", 1.0, True):
+    for bad in (-1, 64, 1 << 70, "1", 1.0, True):  # 6 arguments: bits 0..5
         fake = _cuda_fake((B, N), np.float32)
         with pytest.raises(ValueError, match="nosync"):
             _C.topk_decode(fake, K, None, None, None, False, 5, "auto", bad)
@@ -450,3 +450,19 @@ def _iso_cuda_limits_from_the_abi_header():
 
 def test_cuda_limits_from_the_abi_header():
     run_isolated("test_bad_input", "_iso_cuda_limits_from_the_abi_header")
+
+
+def test_page_table_arguments():
+    x = _scores()
+    bt = np.zeros((B, 4), I32)
+    expect_error(ValueError, "page_size", x, K, block_table=bt)  # missing
+    expect_error(ValueError, "page_size", x, K, block_table=bt, page_size=0)
+    expect_error(TypeError, "page_size", x, K, block_table=bt, page_size=16.0)
+    expect_error(ValueError, "page_size", x, K, page_size=16)  # without a table
+    expect_error(ValueError, "out_positions", x, K, out_positions=_out())  # without a table
+    expect_error(ValueError, "block_table", x, K, block_table=bt, page_size=12)  # 4 * 12 < N = 50
+    expect_error(TypeError, "block_table", x, K, block_table=bt.astype(np.int64), page_size=16)
+    expect_error(ValueError, "block_table", x, K, block_table=np.zeros((B + 1, 4), I32), page_size=16)
+    expect_error(ValueError, "block_table", x, K, block_table=np.zeros(4, I32), page_size=16)  # 1-D for 2-D
+    expect_error(ValueError, "out_positions", x, K, block_table=bt, page_size=16, out_positions=_out((B, K + 1)))
+    expect_error(TypeError, "out_positions", x, K, block_table=bt, page_size=16, out_positions=_out(dtype=np.int64))

@@ -810,3 +810,33 @@ def test_num_threads_setting():
     finally:
         gvr.set_num_threads(0 if old == os.cpu_count() else old)
     assert gvr._C.build_info()["threads"] == "pthreads"
+
+
+@pytest.mark.parametrize("sorted_", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_page_table_transform_against_numpy(page_size, sorted_):
+    """block_table + page_size: out holds physical slots (NumPy gather of the reference positions),
+    out_positions the positions; lengths, -1 padding and unmapped pages (-1) included; 1-D too."""
+    from reference import page_table_slots
+    rng = np.random.default_rng(BASE_SEED + page_size)
+    B, N, k = 4, 3000, 40
+    x = rng.standard_normal((B, N)).astype(np.float32)
+    x[1, 100:130] = x[1, 99]  # ties
+    pages = -(-N // page_size) + 3
+    bt = np.stack([rng.permutation(4 * pages)[:pages] for _ in range(B)]).astype(np.int32)
+    bt[2, 0] = -1  # an unmapped page: its positions give -1
+    lengths = np.array([N, 1234, 77, 5], np.int32)
+    pos = np.full((B, k), 99, np.int32)
+    got = gvr.topk_decode(x, k, lengths=lengths, block_table=bt, page_size=page_size, out_positions=pos,
+                          sorted=sorted_)
+    want_pos = expected_result(x, k, lengths)
+    if sorted_:
+        assert np.array_equal(pos, want_pos)
+    else:
+        assert np.array_equal(np.sort(pos, 1), np.sort(want_pos, 1))
+    assert np.array_equal(got, page_table_slots(pos, bt, page_size))
+    plain = gvr.topk_decode(x, k, lengths=lengths, sorted=sorted_)
+    assert np.array_equal(plain, pos)  # the same positions, the same order
+    # 1-D scores with a 1-D table; out_positions optional
+    got1 = gvr.topk_decode(x[0], k, block_table=bt[0], page_size=page_size, sorted=sorted_)
+    assert np.array_equal(got1, page_table_slots(gvr.topk_decode(x[0], k, sorted=sorted_), bt[0], page_size))

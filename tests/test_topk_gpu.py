@@ -285,3 +285,66 @@ def test_rows_beyond_the_radix_limit():
             assert_same_sets(gvr.topk_decode(xg, k, method=m).cpu().numpy(), want, f"N={N} k={k} {m}")
     with pytest.raises(ValueError, match="exceed the radix path"):
         gvr.topk_decode(xg, 2048, method="radix")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("sorted_", [False, True])
+@pytest.mark.parametrize("N", [1, 97, 4097, 65537, 300001])
+def test_page_table_transform_matches_cpu(N, sorted_, method):
+    """The fused page-table transform: slots and positions equal the CPU path's (sets per row, the
+    same order when sorted; the slots of the CPU's positions), with lengths, unmapped pages, -1 padding,
+    with and without a previous Top-K."""
+    from reference import page_table_slots
+    rng = np.random.default_rng(N)
+    B, k, P = 3, 64, 64
+    x = rows("normal", B, N, seed=N)
+    pages = -(-N // P)
+    bt = np.stack([rng.permutation(2 * pages + 5)[:pages] for _ in range(B)]).astype(np.int32)
+    bt[1, pages // 2] = -1
+    lengths = np.array([N, max(1, N // 3), 0], np.int32)
+    for prev in (None, gvr.topk_decode(x, k // 2)):
+        pos_c = np.empty((B, k), np.int32)
+        slots_c = gvr.topk_decode(x, k, lengths=lengths, block_table=bt, page_size=P, out_positions=pos_c,
+                                  sorted=sorted_, prev_topk=prev)
+        pos_g = torch.full((B, k), 7, dtype=torch.int32, device="cuda")
+        slots_g = gvr.topk_decode(gpu(x), k, lengths=gpu(lengths), block_table=gpu(bt), page_size=P,
+                                  out_positions=pos_g, sorted=sorted_, method=method,
+                                  prev_topk=None if prev is None else gpu(prev))
+        pg, sg = pos_g.cpu().numpy(), slots_g.cpu().numpy()
+        assert np.array_equal(sg, page_table_slots(pg, bt, P)), (N, sorted_, method)
+        if sorted_:
+            assert np.array_equal(pg, pos_c) and np.array_equal(sg, slots_c)
+        else:
+            assert_same_sets(pg, pos_c)
+
+
+def test_page_table_transform_graph_replay_and_compile():
+    from reference import page_table_slots
+    B, N, k, P = 4, 65536, 256, 64
+    x = gpu(rows("normal", B, N, seed=5))
+    bt = gpu(np.stack([np.random.default_rng(b).permutation(N // P) for b in range(B)]).astype(np.int32))
+    out = torch.empty(B, k, dtype=torch.int32, device="cuda")
+    pos = torch.empty(B, k, dtype=torch.int32, device="cuda")
+    gvr.topk_decode(x, k, block_table=bt, page_size=P, out=out, out_positions=pos)
+    want_pos, want = pos.clone(), out.clone()
+    assert np.array_equal(want.cpu().numpy(), page_table_slots(want_pos.cpu().numpy(), bt.cpu().numpy(), P))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        gvr.topk_decode(x, k, block_table=bt, page_size=P, out=out, out_positions=pos)
+        with torch.cuda.graph(g, stream=s):
+            gvr.topk_decode(x, k, block_table=bt, page_size=P, out=out, out_positions=pos)
+    torch.cuda.current_stream().wait_stream(s)
+    out.fill_(-5)
+    pos.fill_(-5)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(pos, want_pos)
+
+    @torch.compile(fullgraph=True)
+    def f(scores, table):
+        return gvr.topk_decode(scores, k, block_table=table, page_size=P, sorted=True)
+    got = f(x, bt)
+    ref = gvr.topk_decode(x, k, block_table=bt, page_size=P, sorted=True)
+    assert torch.equal(got, ref)

@@ -817,3 +817,22 @@ int topk_decode_cpu(const gvr_topk_params *p)
         work += p->lengths ? p->lengths[b] : p->N;
     return gvr_parallel_rows(p->B, work, topk_row_of, (void *)p);
 }
+
+void topk_map_cpu(const gvr_topk_params *p)
+{
+    const int64_t P = p->page_size > 0 ? p->page_size : 1;
+    for (int64_t b = 0; b < p->B; b++) {
+        int32_t *o = p->out + b * p->out_stride;
+        int32_t *op = p->out_pos ? p->out_pos + b * p->out_pos_stride : NULL;
+        const int32_t *bt = p->block_table ? p->block_table + b * p->bt_stride : NULL;
+        for (int64_t j = 0; j < p->k; j++) {
+            const int32_t x = o[j];
+            if (op)
+                op[j] = x;
+            if (bt && x >= 0) {
+                const int32_t pg = bt[x / P];
+                o[j] = pg < 0 ? -1 : (int32_t)((int64_t)pg * P + x % P);
+            }
+        }
+    }
+}

@@ -11,6 +11,10 @@
  * Returns 0, or -1 when memory for candidates could not be allocated. */
 int topk_decode_cpu(const gvr_topk_params *p);
 
+/* The page-table transform of a finished result (gvr_kernels.h, gvr_topk_params.block_table): out's
+ * positions -> physical slots, the positions into out_pos when given. */
+void topk_map_cpu(const gvr_topk_params *p);
+
 /* Statistics of the calling thread's last row (for benchmarks and tests of the search itself). */
 typedef struct {
     int count_passes;   /* full-row counting passes */

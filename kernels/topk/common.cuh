@@ -45,11 +45,54 @@ __device__ __forceinline__ int row_length(int N, const int *lengths, int row)
     return L < 0 ? 0 : (L > N ? N : L);
 }
 
-/* -1 in a row's output slots [kk, k) (one CTA of the row) */
-__device__ __forceinline__ void pad_tail(int *orow, int kk, int k)
+/* Where a row's result goes (gvr_topk_params): out, and with a block table physical slots in out and,
+ * optionally, the positions in pos. */
+struct OutMap {
+    const int *bt; /* NULL: out holds positions */
+    long long bt_stride;
+    int page;
+    int *pos; /* NULL or the positions' output */
+    long long pos_stride;
+};
+struct RowOut {
+    int *orow, *prow;
+    const int *btrow;
+    int page;
+    __device__ __forceinline__ RowOut(int *out, long long out_stride, const OutMap &m, int row)
+        : orow(out + (long long)row * out_stride), prow(m.pos ? m.pos + (long long)row * m.pos_stride : nullptr),
+          btrow(m.bt ? m.bt + (long long)row * m.bt_stride : nullptr), page(m.page)
+    {
+    }
+    /* result slot i holds position p (-1: none) */
+    __device__ __forceinline__ void put(int i, int p) const
+    {
+        if (prow)
+            prow[i] = p;
+        if (btrow && p >= 0) {
+            const int q = p / page, pg = btrow[q];
+            p = pg < 0 ? -1 : (int)((long long)pg * page + (p - q * page)); /* slots fit int32 (documented) */
+        }
+        orow[i] = p;
+    }
+};
+
+/* the map of the selecting kernel (GVR or radix): the full one, or none when a sort follows (the sort
+ * kernel reads the positions back from out, then writes through the map) */
+inline OutMap out_map(const gvr_topk_params *p)
 {
-    for (int i = kk + (int)threadIdx.x; i < k; i += (int)blockDim.x)
-        orow[i] = -1;
+    return OutMap{p->block_table, (long long)p->bt_stride, p->page_size > 0 ? p->page_size : 1, p->out_pos,
+                  (long long)p->out_pos_stride};
+}
+inline OutMap first_out_map(const gvr_topk_params *p) { return p->sorted ? OutMap{nullptr, 0, 1, nullptr, 0} : out_map(p); }
+
+/* -1 in a row's output slots [kk, k) (one CTA of the row) */
+__device__ __forceinline__ void pad_tail(const RowOut &o, int kk, int k)
+{
+    for (int i = kk + (int)threadIdx.x; i < k; i += (int)blockDim.x) {
+        o.orow[i] = -1;
+        if (o.prow)
+            o.prow[i] = -1;
+    }
 }
 
 /* floats between a row's start and the 16-byte boundary below it (0..3) */

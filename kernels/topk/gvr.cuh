@@ -226,7 +226,7 @@ template <bool CLUSTER, int VEC, bool STREAM>
 __global__ void __launch_bounds__(THREADS, 1)
     gvr_topk_gvr_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
                         const int *__restrict__ prev, long long prev_stride, int Kp, int k, int *__restrict__ out,
-                        long long out_stride, int C, int nch)
+                        long long out_stride, OutMap om, int C, int nch)
 {
     pdl_enter();
     __shared__ GvrShared<STREAM> s;
@@ -238,9 +238,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     if constexpr (CLUSTER)
         rank = (int)cg::this_cluster().block_rank();
     const int L = row_length(N, lengths, row), kk = k < L ? k : L;
-    int *orow = out + (long long)row * out_stride;
+    const RowOut ro(out, out_stride, om, row);
     if (rank == 0)
-        pad_tail(orow, kk, k);
+        pad_tail(ro, kk, k);
     if (kk == 0)
         return; /* uniform over the cluster */
     const float *xr = scores + (long long)row * row_stride;
@@ -699,7 +699,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const int c = cls(tl, j, l);
                         const unsigned ma = __ballot_sync(0xFFFFFFFFu, c == 2), mc = __ballot_sync(0xFFFFFFFFu, c == 1);
                         if (c == 2) {
-                            orow[pa + __popc(ma & lt)] = tl.index(j, l);
+                            ro.put(pa + __popc(ma & lt), tl.index(j, l));
                         } else if (c == 1) {
                             uint32_t key;
                             if constexpr (KIND == 0)
@@ -759,7 +759,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int o = 1; o < (1 << lg); o <<= 1)
             better += __shfl_xor_sync(0xFFFFFFFFu, better, o);
         if (act && h == 0 && better < need)
-            orow[above_total + better] = (int)me.y;
+            ro.put(above_total + better, (int)me.y);
         PROF(32);
     }
 }
@@ -829,7 +829,7 @@ cudaError_t GvrInstance<CLUSTER, VEC, STREAM>::launch(const gvr_topk_params *p, 
     LaunchConfig lc((unsigned)(C * p->B), THREADS, C, GVR_DYN_SMEM<STREAM>, stream);
     return cudaLaunchKernelEx(&lc.cfg, gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>, p->scores, (long long)p->row_stride,
                               p->N, p->lengths, p->prev, (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, p->out,
-                              (long long)p->out_stride, C, nch);
+                              (long long)p->out_stride, first_out_map(p), C, nch);
 }
 
 #ifdef GVR_PROFILE

@@ -220,7 +220,7 @@ __device__ Interval tie_search(RadixShared &s, int &par, Interval iv, int kk, Ke
 template <int C, int VEC>
 __global__ void __launch_bounds__(THREADS, 1)
     gvr_topk_radix_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
-                          int k, int *__restrict__ out, long long out_stride)
+                          int k, int *__restrict__ out, long long out_stride, OutMap om)
 {
     pdl_enter();
     __shared__ RadixShared s;
@@ -229,9 +229,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     if constexpr (C > 1)
         rank = (int)cg::this_cluster().block_rank();
     const int L = row_length(N, lengths, row), kk = k < L ? k : L;
-    int *orow = out + (long long)row * out_stride;
+    const RowOut ro(out, out_stride, om, row);
     if (rank == 0)
-        pad_tail(orow, kk, k);
+        pad_tail(ro, kk, k);
     if (kk == 0)
         return;
     const float *xr = scores + (long long)row * row_stride;
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int l = 0; l < 4; l++) {
             const uint32_t key = tile.key[4 * j + l];
             if (key > vsel || (key == veq && tile.index(j, l) <= imax))
-                orow[offset++] = tile.index(j, l);
+                ro.put(offset++, tile.index(j, l));
         }
     if constexpr (C > 1)
         cg::this_cluster().barrier_wait();
@@ -347,7 +347,7 @@ cudaError_t RadixInstance<C, VEC>::launch(const gvr_topk_params *p, int dev, cud
     }
     LaunchConfig lc((unsigned)(C * p->B), THREADS, C, 0, stream);
     return cudaLaunchKernelEx(&lc.cfg, fn, p->scores, (long long)p->row_stride, p->N, p->lengths, p->k, p->out,
-                              (long long)p->out_stride);
+                              (long long)p->out_stride, first_out_map(p));
 }
 
 #ifdef GVR_PROFILE

@@ -16,17 +16,24 @@ namespace gvr::topk {
 template <int ITEMS>
 __global__ void __launch_bounds__(THREADS, 1)
     gvr_topk_sort_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
-                         int k, int *__restrict__ out, long long out_stride)
+                         int k, int *__restrict__ out, long long out_stride, OutMap om)
 {
     pdl_enter();
     using Sort = cub::BlockRadixSort<unsigned long long, THREADS, ITEMS>;
     __shared__ typename Sort::TempStorage tmp;
     const int row = blockIdx.x;
     const int L = row_length(N, lengths, row), kk = k < L ? k : L;
-    if (kk <= 1)
+    const RowOut ro(out, out_stride, om, row);
+    int *orow = ro.orow;
+    const bool mapped = om.bt || om.pos;
+    if (mapped) /* the selecting kernel padded out only */
+        pad_tail(ro, kk, k);
+    if (kk <= 1) {
+        if (mapped && kk == 1 && threadIdx.x == 0)
+            ro.put(0, orow[0]);
         return;
+    }
     const float *xr = scores + (long long)row * row_stride;
-    int *orow = out + (long long)row * out_stride;
     unsigned long long item[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; i++) {
@@ -44,7 +51,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int i = 0; i < ITEMS; i++) {
         const int pos = threadIdx.x * ITEMS + i;
         if (pos < kk)
-            orow[pos] = (int)(item[i] & 0xFFFFFFFFu);
+            ro.put(pos, (int)(item[i] & 0xFFFFFFFFu));
     }
 }
 
