@@ -3,7 +3,9 @@
 gvr.topk_decode  exact Top-K of indexer scores, warm-started by the previous step's Top-K (GVR)
 gvr.sparse_attention  attention over selected blocks/tokens of a paged KV cache -> state (out, lse)
 gvr.merge_states      exact merge of attention states (and merge_states_in_place)
-gvr.prr          PRR: repair (fold missed blocks into a state in place), missed, finalize (exact mode)
+gvr.prr          PRR: repair (fold missed blocks into a state in place), missed, finalize (exact mode),
+                 Quest selection, EMA predictor, SpeculativeAttention, Budget
+gvr.sparda       SparDA: the Forecast's training objective (forecast_kl_loss); prefetch to come
 gvr.TopKDecoder  per-layer decode-loop state (previous Top-K buffers), CUDA-graph friendly
 gvr.data         deterministic workload generators (decode traces, i.i.d., adversarial rows)
 """
@@ -17,11 +19,12 @@ except ImportError as e:  # pragma: no cover - depends on how gvr is run
 from .topk import topk_decode
 from .attention import sparse_attention, merge_states, merge_states_in_place
 from . import prr
+from . import sparda
 from .decoder import TopKDecoder
 from . import data
 
 __version__ = "0.1.0"
-__all__ = ["topk_decode", "sparse_attention", "merge_states", "merge_states_in_place", "prr", "TopKDecoder", "cuda_available", "build_info", "set_num_threads", "get_num_threads"]
+__all__ = ["topk_decode", "sparse_attention", "merge_states", "merge_states_in_place", "prr", "sparda", "TopKDecoder", "cuda_available", "build_info", "set_num_threads", "get_num_threads"]
 
 
 def cuda_available() -> bool:

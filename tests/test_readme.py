@@ -30,6 +30,8 @@ def test_readme_example_runs(code, tmp_path, monkeypatch):
         reason = gpu_skip_reason()
         if reason:
             pytest.skip(reason)
+    elif "import torch" in code:
+        pytest.importorskip("torch", reason="this README example needs PyTorch")
     monkeypatch.chdir(tmp_path)
     # a real module (torch.compile's tracer imports the module of the function it compiles)
     mod = types.ModuleType("gvr_readme_block")

@@ -1,0 +1,132 @@
+"""gvr.sparda: SparDA (paper 004) -- block selection one layer ahead by a Forecast head per GQA group,
+and prefetch of the selected KV blocks from pinned host memory.
+
+Built so far: the Forecast's training objective, ``forecast_kl_loss`` (section 4.4; PyTorch only, as
+training is). Still to come (issue 14): ``HostKVCache``, ``prefetch``, ``Prefetcher``,
+``forecast_select`` and ``update_compressed_keys``.
+"""
+from __future__ import annotations
+
+import sys
+
+__all__ = ["forecast_kl_loss"]
+
+
+def _torch():
+    t = sys.modules.get("torch")
+    if t is None:
+        try:
+            import torch as t
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise RuntimeError("gvr.sparda.forecast_kl_loss needs torch") from e
+    return t
+
+
+def _check_int(name, v, lo):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
+    if v < lo:
+        raise ValueError(f"'{name}' must be >= {lo}, got {v}")
+    return v
+
+
+def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=16, tau=1.0, eligible=None,
+                     reduction="mean"):
+    """SparDA's Forecast objective (paper 004, eq. 12-14): KL(target || forecast) over the target's
+    top-k blocks plus one "rest" bucket.
+
+    q_scores_fine: float ``[..., N_fine]``, the query-derived target on the fine compression grid
+        (eq. 12: per position the sum over the GQA group's heads of softmax(Q K_fine^T / tau)),
+        non-negative; 0 where a position is masked (causally).
+    f_scores: float ``[..., N_b]``, the Forecast's logits on the inference grid (F K~^T, eq. 11/13,
+        before the temperature); -inf where a block is masked. ``forecast = softmax(f_scores / tau)``.
+    k: int >= 1, blocks kept individually.
+    pool_kernel, pool_stride: the target is max-pooled to the inference grid: block j takes the
+        maximum of ``q_scores_fine[..., j*pool_stride : j*pool_stride + pool_kernel]`` (windows cut at
+        N_fine; a window past the end gives 0). Defaults: the fine grid of kernel 2, stride 1 against
+        InfLLM-V2's inference grid of kernel 32, stride 16 (block j covers tokens [16j, 16j + 32),
+        fine position i covers [i, i + 2)); with fine stride 1, pass the inference grid's stride and
+        its kernel.
+    eligible: None, or bool ``[..., N_b]`` (broadcastable): the blocks that may enter the top-k set
+        (False for the always-kept initial and local blocks, which then count in the rest bucket).
+    reduction: "mean" (over the leading rows), "sum" (eq. 14's sum) or "none" (``[...]``).
+
+    Per row: S = the k eligible blocks of largest pooled target (ties to the lower block number; fewer
+    when fewer are eligible); both distributions are restricted to (S, rest) and renormalized: target
+    ``t_S / T``, ``sum_{not S} t / T`` with T the pooled target's total; forecast ``p_S``,
+    ``sum_{not S} p`` (computed in log space). KL = sum t (log t - log p) with 0 log 0 = 0 (a row whose target total is 0
+    contributes 0). Differentiable in both inputs (S is a constant of the step). Gradient flows to the
+    Forecast's logits through every block, the non-selected ones via the rest bucket.
+    """
+    torch = _torch()
+    k = _check_int("k", k, 1)
+    pool_kernel = _check_int("pool_kernel", pool_kernel, 1)
+    pool_stride = _check_int("pool_stride", pool_stride, 1)
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
+        raise ValueError(f"'tau' must be a float > 0, got {tau!r}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"'reduction' must be 'mean', 'sum' or 'none', got {reduction!r}")
+    for name, x in (("q_scores_fine", q_scores_fine), ("f_scores", f_scores)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"'{name}' must be a torch tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"'{name}' must be a floating-point tensor, got {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] < 1:
+            raise ValueError(f"'{name}' must have a non-empty last dimension, got shape {list(x.shape)}")
+    if q_scores_fine.shape[:-1] != f_scores.shape[:-1]:
+        raise ValueError(f"'q_scores_fine' and 'f_scores' must share their leading dimensions, got "
+                         f"{list(q_scores_fine.shape)} and {list(f_scores.shape)}")
+    if q_scores_fine.device != f_scores.device:
+        raise ValueError(f"'q_scores_fine' and 'f_scores' must be on one device, got {q_scores_fine.device} and "
+                         f"{f_scores.device}")
+    nb, nf = f_scores.shape[-1], q_scores_fine.shape[-1]
+    dt = torch.promote_types(q_scores_fine.dtype, f_scores.dtype)
+    tgt_f = q_scores_fine.to(dt)
+    # max-pool to the inference grid (windows cut at N_fine, empty windows 0)
+    need = (nb - 1) * pool_stride + pool_kernel
+    if need > nf:
+        tgt_f = torch.nn.functional.pad(tgt_f, (0, need - nf))
+    tgt = tgt_f.unfold(-1, pool_kernel, pool_stride)[..., :nb, :].amax(-1)
+    logits = f_scores.to(dt) / tau
+    # the top-k set of the target among eligible blocks: stable descending sort (ties to the lower index)
+    key = tgt.detach()
+    elig = None
+    if eligible is not None:
+        if not isinstance(eligible, torch.Tensor) or eligible.dtype != torch.bool:
+            raise TypeError(f"'eligible' must be a bool tensor [..., N_b] or None, got "
+                            f"{getattr(eligible, 'dtype', type(eligible).__name__)}")
+        try:
+            elig = torch.broadcast_to(eligible.to(key.device), key.shape)
+        except RuntimeError as e:
+            raise ValueError(f"'eligible' must broadcast to {list(key.shape)}, got {list(eligible.shape)}") from e
+        key = torch.where(elig, key, torch.full_like(key, -float("inf")))
+    kk = min(k, nb)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :kk]
+    in_s = torch.zeros(key.shape, dtype=torch.bool, device=key.device).scatter_(-1, order, True)
+    if elig is not None:
+        in_s &= elig  # fewer than k eligible: the ineligible ones sorted last never count
+    # target restricted: (t_S, T - sum t_S) / T
+    total = tgt.sum(-1, keepdim=True)
+    t_s = torch.where(in_s, tgt, torch.zeros_like(tgt))
+    t_rest = torch.where(in_s, torch.zeros_like(tgt), tgt).sum(-1, keepdim=True)  # exactly 0 when S is all
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    t_s, t_rest = t_s / safe_total, t_rest / safe_total
+    # forecast restricted, log space: log p_S = logits_S - lse(all); log p_rest = lse(not S) - lse(all)
+    lse_all = torch.logsumexp(logits, -1, keepdim=True)
+    rest_logits = torch.where(in_s, torch.full_like(logits, -float("inf")), logits)
+    rest_has = torch.isfinite(rest_logits).any(-1, keepdim=True)
+    rest_logits = torch.where(rest_has, rest_logits, torch.zeros_like(rest_logits))  # finite where unused
+    log_p_rest = torch.where(rest_has, torch.logsumexp(rest_logits, -1, keepdim=True) - lse_all,
+                             torch.full_like(lse_all, -float("inf")))
+    log_p_s = logits - lse_all
+
+    def term(t, log_p):
+        pos = t > 0
+        t_safe = torch.where(pos, t, torch.ones_like(t))
+        lp_safe = torch.where(pos, log_p, torch.zeros_like(log_p))
+        return torch.where(pos, t * (torch.log(t_safe) - lp_safe), torch.zeros_like(t))
+
+    kl = term(t_s, log_p_s).sum(-1) + term(t_rest, log_p_rest).squeeze(-1)
+    if reduction == "none":
+        return kl
+    return kl.sum() if reduction == "sum" else kl.mean()
