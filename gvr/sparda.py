@@ -2,14 +2,14 @@
 and prefetch of the selected KV blocks from pinned host memory.
 
 Built so far: the Forecast's training objective, ``forecast_kl_loss`` (section 4.4; PyTorch only, as
-training is). Still to come (issue 14): ``HostKVCache``, ``prefetch``, ``Prefetcher``,
-``forecast_select`` and ``update_compressed_keys``.
+training is), and the Forecast indexer's selection, ``forecast_select`` (section 4.3). Still to come
+(issue 14): ``HostKVCache``, ``prefetch``, ``Prefetcher`` and ``update_compressed_keys``.
 """
 from __future__ import annotations
 
 import sys
 
-__all__ = ["forecast_kl_loss"]
+__all__ = ["forecast_kl_loss", "forecast_select"]
 
 
 def _torch():
@@ -130,3 +130,61 @@ def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=
     if reduction == "none":
         return kl
     return kl.sum() if reduction == "sum" else kl.mean()
+
+
+def _num_windows(lengths, kernel, stride):
+    """complete compression windows per row: len >= kernel ? (len - kernel) // stride + 1 : 0 (int32, same
+    framework and device as lengths; no host round trip for device tensors)."""
+    if type(lengths).__module__.startswith("torch"):
+        t = _torch()
+        n = t.div(lengths.to(t.int64) - kernel, stride, rounding_mode="floor") + 1
+        return n.clamp_min(0).to(t.int32)
+    import numpy as np
+    ln = np.asarray(lengths)
+    if ln.dtype != np.int32:
+        raise TypeError(f"'lengths' must be int32 [B], got {ln.dtype}")
+    return np.maximum((ln.astype(np.int64) - kernel) // stride + 1, 0).astype(np.int32)
+
+
+def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=1, local_blocks=2, out=None,
+                    stream=None):
+    """SparDA's Forecast indexer (paper 004, section 4.3): the next layer's blocks from one Forecast head per
+    GQA group -> int32 ``[B, Hkv, k]`` (block ids, -1 padded).
+
+    F: ``[B, Hkv, D]`` (the Forecast, one head per KV head / GQA group); ktilde: ``[B, Hkv, Nc, D]`` the
+    next layer's compressed keys in F's dtype (window j = tokens ``[j*stride, j*stride + kernel)``, mean
+    pooled); lengths: int32 ``[B]`` tokens per row -- window j is valid when ``j*stride + kernel <=
+    lengths[b]`` (Nc must cover every valid window). Score of window j: ``F[b, h] . ktilde[b, h, j]``
+    (float32 accumulation, the order of ``gvr.prr.block_scores``); then the Top-k (``gvr.topk_decode``:
+    ties to the lower id) with the first ``init_blocks`` and the last ``local_blocks`` valid windows always
+    among them (when k allows), -1 padding -- one kernel chain, no host round trip. With ``kernel ==
+    stride == G`` the ids are the ``G``-token blocks that ``gvr.sparse_attention(..., block_table=,
+    block_size=G)`` takes. NumPy / torch CPU (C) and CUDA (float16 / bfloat16, D 64/128/256).
+
+    Built on ``gvr.prr.select_blocks`` with ktilde as a Quest metadata whose minimum and maximum are the
+    same tensor (a stride-0 view: no copy), over blocks of one "token" per window.
+    """
+    from ._prr_select import select_blocks
+    kernel = _check_int("kernel", kernel, 1)
+    stride = _check_int("stride", stride, 1)
+    shape = getattr(ktilde, "shape", None)
+    if shape is None or len(shape) != 4:
+        raise ValueError(f"'ktilde' must be [B, Hkv, Nc, D], got {None if shape is None else list(shape)}")
+    B, H, Nc, D = (int(v) for v in shape)
+    if type(ktilde).__module__.startswith("torch"):
+        meta = ktilde.unsqueeze(3).expand(B, H, Nc, 2, D)
+    else:
+        import numpy as np
+        kt = np.asarray(ktilde)
+        meta = np.lib.stride_tricks.as_strided(kt, (B, H, Nc, 2, D), kt.strides[:3] + (0,) + kt.strides[3:],
+                                               writeable=False)
+    nwin = _num_windows(lengths, kernel, stride)
+    is_torch = type(nwin).__module__.startswith("torch")
+    if not (is_torch and nwin.is_cuda):  # host counts are checked here (device ones are clamped by the kernels)
+        n_host = nwin.numpy() if is_torch else nwin
+        most = int(n_host.max()) if n_host.size else 0
+        if most > Nc:
+            raise ValueError(f"'lengths' implies {most} complete windows of {kernel} tokens every {stride}, more than "
+                             f"'ktilde' holds (Nc = {Nc})")
+    return select_blocks(F, meta, k, nwin, block_size=1, init_blocks=init_blocks, local_blocks=local_blocks,
+                         out=out, stream=stream)
