@@ -59,3 +59,23 @@ int gvr_read_host_counts(const gvr_view *v, const char *name, const char *what, 
     }
     return 0;
 }
+
+int gvr_read_host_range(const gvr_view *end, const gvr_view *start, int update, int64_t B, int64_t cap,
+                        int32_t **copy, const int32_t **end_out, const int32_t **start_out)
+{
+    if (!(*copy = malloc((size_t)(B ? 2 * B : 1) * sizeof **copy))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (end->data) {
+        if (gvr_read_host_counts(end, update ? "end" : "lengths", "max_pages * P", B, cap, *copy) < 0)
+            return -1;
+        *end_out = *copy;
+    }
+    if (start->data) {
+        if (gvr_read_host_counts(start, "start", "max_pages * P", B, cap, *copy + B) < 0)
+            return -1;
+        *start_out = *copy + B;
+    }
+    return 0;
+}

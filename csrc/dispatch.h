@@ -26,5 +26,12 @@ int gvr_run_on_host(int (*fn)(const void *), const void *params);
 int gvr_read_host_counts(const gvr_view *v, const char *name, const char *what, int64_t B, int64_t cap,
                          int32_t *dst);
 
+/* The host end/lengths and start counts of an append-style call (Quest block metadata, SparDA compressed
+ * keys), each in [0, cap] (max_pages * P): copied into one malloc'd block *copy (the caller frees it;
+ * NULL views are left out) and pointed to by *end_out / *start_out. end is named "end" when updating,
+ * "lengths" when building. 0, or -1 with the exception set. */
+int gvr_read_host_range(const gvr_view *end, const gvr_view *start, int update, int64_t B, int64_t cap,
+                        int32_t **copy, const int32_t **end_out, const int32_t **start_out);
+
 
 #endif

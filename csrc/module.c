@@ -103,6 +103,8 @@ static PyMethodDef methods[] = {
     {"block_scores", (PyCFunction)(void (*)(void))gvr_py_block_scores, METH_VARARGS | METH_KEYWORDS,
      gvr_block_scores_doc},
     /* @@prr-select-methods@@ */
+    {"sparda_compressed_keys", (PyCFunction)(void (*)(void))gvr_py_sparda_compressed_keys,
+     METH_VARARGS | METH_KEYWORDS, gvr_sparda_ckeys_doc},
     {"prr_ema_predict", (PyCFunction)(void (*)(void))gvr_py_prr_ema_predict, METH_VARARGS | METH_KEYWORDS,
      gvr_ema_predict_doc},
     {"prr_ema_update", (PyCFunction)(void (*)(void))gvr_py_prr_ema_update, METH_VARARGS | METH_KEYWORDS,

@@ -23,6 +23,8 @@ PyObject *gvr_py_block_metadata(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds);
 extern const char gvr_block_metadata_doc[], gvr_block_scores_doc[];
 /* @@prr-select-decls@@ */
+PyObject *gvr_py_sparda_compressed_keys(PyObject *self, PyObject *args, PyObject *kwds);
+extern const char gvr_sparda_ckeys_doc[];
 PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *gvr_py_prr_ema_calibrate(PyObject *self, PyObject *args, PyObject *kwds);

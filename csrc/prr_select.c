@@ -192,21 +192,8 @@ PyObject *gvr_py_block_metadata(PyObject *self, PyObject *args, PyObject *kwds)
                                                               : "gvr_prr_block_metadata") < 0)
             goto fail;
     } else {
-        if (!(copy = malloc((size_t)(B ? 2 * B : 1) * sizeof *copy))) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        if (ln->data) {
-            if (gvr_read_host_counts(ln, update ? "end" : "lengths", "max_pages * P", B, cap, copy) < 0)
-                goto fail;
-            p.end = copy;
-        }
-        if (st->data) {
-            if (gvr_read_host_counts(st, "start", "max_pages * P", B, cap, copy + B) < 0)
-                goto fail;
-            p.start = copy + B;
-        }
-        if (gvr_run_on_host(cpu_meta, &p) < 0)
+        if (gvr_read_host_range(ln, st, update, B, cap, &copy, &p.end, &p.start) < 0 ||
+            gvr_run_on_host(cpu_meta, &p) < 0)
             goto fail;
     }
     result = obj[MMETA];

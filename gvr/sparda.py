@@ -2,14 +2,17 @@
 and prefetch of the selected KV blocks from pinned host memory.
 
 Built so far: the Forecast's training objective, ``forecast_kl_loss`` (section 4.4; PyTorch only, as
-training is), and the Forecast indexer's selection, ``forecast_select`` (section 4.3). Still to come
-(issue 14): ``HostKVCache``, ``prefetch``, ``Prefetcher`` and ``update_compressed_keys``.
+training is), the Forecast indexer's selection, ``forecast_select`` (section 4.3), and the compressed
+keys it scores, ``compressed_keys`` / ``update_compressed_keys`` (eq. 5; their CUDA kernel is compiled
+but has not yet run on a GPU: NotImplementedError on CUDA inputs unless GVR_UNVERIFIED_CUDA=1). Still
+to come (issue 14): ``HostKVCache``, ``prefetch``, ``Prefetcher``.
 """
 from __future__ import annotations
 
+import os
 import sys
 
-__all__ = ["forecast_kl_loss", "forecast_select"]
+__all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys"]
 
 
 def _torch():
@@ -188,3 +191,64 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
                              f"'ktilde' holds (Nc = {Nc})")
     return select_blocks(F, meta, k, nwin, block_size=1, init_blocks=init_blocks, local_blocks=local_blocks,
                          out=out, stream=stream)
+
+
+def _is_cuda(x):
+    return bool(getattr(x, "is_cuda", False)) or type(x).__module__.startswith("cupy")
+
+
+def _gate(x, op):
+    if _is_cuda(x) and os.environ.get("GVR_UNVERIFIED_CUDA") != "1":
+        raise NotImplementedError(
+            f"the CUDA path of gvr.sparda.{op} is compiled but has not yet run on a GPU (its GPU tests are owed): use "
+            "CPU inputs, or set GVR_UNVERIFIED_CUDA=1 to run it anyway")
+
+
+def _windows_of(cap, kernel, stride):
+    return (cap - kernel) // stride + 1 if cap >= kernel else 0
+
+
+def compressed_keys(k_cache, block_table, lengths=None, *, kernel=32, stride=16, out=None, stream=None):
+    """Mean-pooled keys of a paged K cache (InfLLM-V2 / SparDA, paper 004 eq. 5) -> ``ktilde [B, Hkv, Nc,
+    D]`` in k_cache's dtype, Nc = the windows of ``kernel`` tokens every ``stride`` in max_pages * P tokens.
+
+    Window j of row b = tokens ``[j*stride, j*stride + kernel)`` (token t at page ``block_table[b, t // P]``,
+    slot ``t % P``; a page < 0 or >= num_pages counts as zeros): its float32 sum in token order divided by
+    ``kernel``, rounded to the cache's dtype, for every window complete within ``lengths[b]`` (default
+    max_pages * P); the row's other windows are zero. Deterministic; the CPU (C) and CUDA (float16 /
+    bfloat16) give the same bits. ``update_compressed_keys`` keeps it current as tokens arrive.
+    """
+    from ._interop import framework, prepare
+    from .attention import _new
+    from . import _C
+    _gate(k_cache, "compressed_keys")
+    kernel = _check_int("kernel", kernel, 1)
+    stride = _check_int("stride", stride, 1)
+    fw = framework(k_cache)
+    if out is None:
+        ks, bs = getattr(k_cache, "shape", None), getattr(block_table, "shape", None)
+        shape = None
+        if ks is not None and bs is not None and len(ks) == 4 and len(bs) == 2:
+            shape = (int(bs[0]), int(ks[2]), _windows_of(int(bs[1]) * int(ks[1]), kernel, stride), int(ks[3]))
+        out = _new(k_cache, fw, shape, None)
+    # gvr._C's spec order (k_cache, block_table, end, start, ktilde): nosync's bits follow it
+    (k, bt, e, _, o), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, lengths, None, out), stream)
+    _C.sparda_compressed_keys(k, bt, e, o, kernel, stride, None, stream, nosync)
+    return out
+
+
+def update_compressed_keys(ktilde, k_cache, block_table, start, end, *, kernel=32, stride=16, stream=None):
+    """Fold the tokens ``[start[b], end[b])`` appended to each row into ``ktilde`` in place -> ``ktilde``:
+    the windows those tokens complete (window end in ``(start[b], end[b]]``) are written as
+    ``compressed_keys`` defines them; nothing else changes. start, end: int32 ``[B]``."""
+    from ._interop import framework, prepare
+    from . import _C
+    if start is None or end is None:
+        raise TypeError("sparda.update_compressed_keys: 'start' and 'end' must be given (int32 [B])")
+    _gate(k_cache, "update_compressed_keys")
+    kernel = _check_int("kernel", kernel, 1)
+    stride = _check_int("stride", stride, 1)
+    fw = framework(k_cache)
+    (k, bt, e, s, o), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, end, start, ktilde), stream)
+    _C.sparda_compressed_keys(k, bt, e, o, kernel, stride, s, stream, nosync)
+    return ktilde

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 7
+#define GVR_ABI_VERSION 8
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -399,6 +399,38 @@ int gvr_prr_ema_calibrate(const gvr_ema_calibrate_params *p, void *workspace, si
 
 /* @@prr-ema@@ */
 
+/* ---- SparDA compressed keys (csrc/sparda.c, kernels/sparda/ckeys.cu) ------------------------------ */
+
+/* Mean-pooled keys of a paged K cache (InfLLM-V2 / SparDA, paper 004 eq. 5): window j of row b is the
+ * tokens [j*stride, j*stride + kernel) (token t on page block_table[b, t / P], slot t % P);
+ *   out[b, h, j, :] = (sum over the window's tokens, in token order, of K[page, slot, h, :] in float32)
+ *                     / kernel, rounded to the cache's dtype,
+ * a token whose page is < 0 or >= num_pages counting as zeros. A window is complete when j*stride +
+ * kernel <= len_b. Build (start == NULL): every complete window (len_b = end[b], or max_pages * P when end
+ * is NULL) is written, every other window of the row zeroed. Update (start != NULL): the windows whose
+ * last token + 1 lies in (start[b], end[b]] -- those the tokens [start, end) complete -- are written,
+ * nothing else. start/end on the host are checked by the intake; on the device they are clamped to
+ * [0, max_pages * P]. */
+typedef struct {
+    int32_t dtype; /* GVR_ELEM_* of k and out */
+    int32_t B, Hkv, D;
+    const void *k; /* [num_pages, P, Hkv, D], unit stride along D */
+    int64_t k_stride_page, k_stride_tok, k_stride_head;
+    int64_t num_pages;
+    int32_t P;
+    const int32_t *block_table;
+    int64_t bt_stride_b;
+    int32_t max_pages;
+    int32_t kernel, stride;
+    int32_t Nc;           /* windows per row in out */
+    const int32_t *start; /* [B] contiguous; NULL: build */
+    const int32_t *end;   /* [B] contiguous; NULL: max_pages * P */
+    void *out;            /* [B, Hkv, Nc, D] */
+    int64_t out_stride_b, out_stride_h, out_stride_j;
+} gvr_sparda_ckeys_params;
+
+int gvr_sparda_compressed_keys(const gvr_sparda_ckeys_params *p, void *stream);
+
 /* ---- the symbol list ------------------------------------------------------------------------ */
 
 /* Every entry point, as X(return type, field name, symbol, parameter list): csrc/cuda_lib.c builds its
@@ -425,7 +457,8 @@ int gvr_prr_ema_calibrate(const gvr_ema_calibrate_params *p, void *workspace, si
     X(size_t, prr_ema_calibrate_workspace_size, gvr_prr_ema_calibrate_workspace_size,                \
       (const gvr_ema_calibrate_params *))                                                            \
     X(int, prr_ema_calibrate, gvr_prr_ema_calibrate, (const gvr_ema_calibrate_params *, void *, size_t, void *)) \
-    /* @@prr-ema-symbols@@ */
+    /* @@prr-ema-symbols@@ */                                                                        \
+    X(int, sparda_compressed_keys, gvr_sparda_compressed_keys, (const gvr_sparda_ckeys_params *, void *))
 
 #ifdef __cplusplus
 }

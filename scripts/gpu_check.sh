@@ -14,6 +14,7 @@
 #   prrprof  Nsight Compute kernel durations of one serial and one PRR step (CSV)
 #   budget   gvr.prr.Budget.profile on this GPU -> $OUT/budget.json
 #   topkpt   topk_decode's page-table transform: GPU tests, top-k sanitizer cases, benchmarks/bench_page_table.py
+#   sparda   issue 14's pieces (compressed keys, forecast_select): GPU tests, sanitizer
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
 #            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
@@ -130,6 +131,12 @@ topkpt() {  # issue 15's page-table transform: its GPU tests, the top-k sanitize
   (cd /tmp && timeout 200 $PY "$ROOT/benchmarks/bench_page_table.py") 2>&1 | tee "$OUT/bench_page_table.log" | tail -14
 }
 
+sparda() {  # issue 14's pieces: their GPU tests, sanitizer (compressed keys are gated until these pass)
+  say "GPU tests (sparda)"
+  (cd tests && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu -rs test_sparda_ckeys.py test_sparda_select.py) 2>&1 | tee "$OUT/pytest_sparda_gpu.log" | tail -8
+  sanitize sparda
+}
+
 ncu_b1() {  # Nsight Compute on the B=1 cells of 1K and 8K tokens
   for tok in 1024 8192; do
     say "ncu B=1 $tok tokens"
@@ -155,6 +162,7 @@ for mode in "${@:-check}"; do
     prrprof) prrprof ;;
     budget) budget ;;
     topkpt) topkpt ;;
+    sparda) sparda ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

@@ -10,7 +10,7 @@ import gvr
 from gvr import data
 
 ap = argparse.ArgumentParser(description=__doc__)
-ap.add_argument("--only", choices=("topk", "attention", "prr"), help="run one operator's cases")
+ap.add_argument("--only", choices=("topk", "attention", "prr", "sparda"), help="run one operator's cases")
 only = ap.parse_args().only
 
 rng = np.random.default_rng(0)
@@ -156,4 +156,22 @@ if only in (None, "prr"):
             out, lse = sa.step(q, K, V, bt, lengths, select)
     torch.cuda.synchronize()
     print("sanitize case: prr ok")
+
+# ---- SparDA: compressed keys (build, update; a page out of range), forecast_select ----
+if only in (None, "sparda"):
+    import os
+    os.environ["GVR_UNVERIFIED_CUDA"] = "1"  # the compressed-keys kernel is gated until its GPU tests have run
+    dev = "cuda"
+    K = torch.randn(40, 64, 2, 128, dtype=torch.bfloat16, device=dev)
+    bt = torch.randperm(40, device=dev)[:30].int().view(2, 15)
+    bt[1, 3] = 77
+    ln = torch.tensor([15 * 64, 500], dtype=torch.int32, device=dev)
+    kt = gvr.sparda.compressed_keys(K, bt, ln)
+    want = gvr.sparda.compressed_keys(K.cpu(), bt.cpu(), ln.cpu())
+    assert torch.equal(kt.cpu(), want), "compressed_keys"
+    gvr.sparda.update_compressed_keys(kt, K, bt, ln - 100, ln)
+    F = torch.randn(2, 2, 128, dtype=torch.bfloat16, device=dev)
+    gvr.sparda.forecast_select(F, kt, 8, lengths=ln)
+    torch.cuda.synchronize()
+    print("sanitize case: sparda ok")
 print("sanitize case ok")

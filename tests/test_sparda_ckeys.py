@@ -1,0 +1,139 @@
+"""gvr.sparda.compressed_keys / update_compressed_keys (SparDA / InfLLM-V2 mean-pooled keys): bit for bit
+against a NumPy reference that sums in token order in float32 (float32 caches; float16 and bfloat16
+through torch CPU tensors, the mean rounded to the cache's dtype), incremental updates equal rebuilds,
+pages out of range count as zeros, bad inputs named. GPU tests (the CUDA kernel against the C path,
+graph capture) are marked gpu; the CUDA path is gated until they have run (GVR_UNVERIFIED_CUDA=1)."""
+
+import numpy as np
+import pytest
+
+import gvr
+from harness import gpu_skip_reason, torch_or_none
+
+torch = torch_or_none()
+
+
+def reference(K, bt, lengths, kernel, stride):
+    """float32 [B, Hkv, Nc, D]: the definition, summing in token order in float32."""
+    K = np.asarray(K, np.float32)
+    num_pages, P, H, D = K.shape
+    B, maxp = bt.shape
+    cap = maxp * P
+    Nc = (cap - kernel) // stride + 1 if cap >= kernel else 0
+    out = np.zeros((B, H, Nc, D), np.float32)
+    for b in range(B):
+        n = (int(lengths[b]) - kernel) // stride + 1 if lengths[b] >= kernel else 0
+        for j in range(min(n, Nc)):
+            acc = np.zeros((H, D), np.float32)
+            for t in range(j * stride, j * stride + kernel):
+                pg = int(bt[b, t // P])
+                if 0 <= pg < num_pages:
+                    acc = (acc + K[pg, t % P]).astype(np.float32)
+            out[b, :, j] = acc / np.float32(kernel)
+    return out
+
+
+def case(seed, num_pages=24, P=16, H=2, D=8, B=2, maxp=10):
+    rng = np.random.default_rng(seed)
+    K = rng.standard_normal((num_pages, P, H, D)).astype(np.float32)
+    bt = np.stack([rng.permutation(num_pages)[:maxp] for _ in range(B)]).astype(np.int32)
+    return K, bt
+
+
+@pytest.mark.parametrize("kernel,stride", [(32, 16), (16, 16), (5, 3), (1, 1)])
+def test_float32_bit_exact(kernel, stride):
+    K, bt = case(kernel * 7 + stride)
+    bt[1, 2] = -1  # a page out of range: zeros
+    bt[0, 4] = 99
+    lengths = np.array([160, 70], np.int32)
+    got = gvr.sparda.compressed_keys(K, bt, lengths, kernel=kernel, stride=stride)
+    assert got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), reference(K, bt, lengths, kernel, stride).view(np.uint32))
+
+
+@pytest.mark.skipif(torch is None, reason="float16/bfloat16 caches come as torch tensors")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_caches_round_the_float32_mean(dtype):
+    K, bt = case(3)
+    td = getattr(torch, dtype)
+    Kt = torch.from_numpy(K).to(td)
+    lengths = np.array([150, 33], np.int32)
+    got = gvr.sparda.compressed_keys(Kt, torch.from_numpy(bt), torch.from_numpy(lengths))
+    want = torch.from_numpy(reference(Kt.float().numpy(), bt, lengths, 32, 16)).to(td)
+    assert got.dtype == td and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_updates_equal_rebuilds():
+    K, bt = case(5)
+    ln = np.array([10, 40], np.int32)
+    kt = gvr.sparda.compressed_keys(K, bt, ln)
+    for step in (1, 7, 16, 31, 60):
+        new = np.minimum(ln + step, 160).astype(np.int32)
+        r = gvr.sparda.update_compressed_keys(kt, K, bt, ln, new)
+        assert r is kt
+        assert np.array_equal(kt, gvr.sparda.compressed_keys(K, bt, new)), step
+        ln = new
+
+
+def test_bad_inputs():
+    K, bt = case(6)
+    ln = np.array([100, 100], np.int32)
+    kt = gvr.sparda.compressed_keys(K, bt, ln)
+    with pytest.raises(ValueError, match="'ktilde'"):
+        gvr.sparda.compressed_keys(K, bt, ln, out=np.zeros((2, 2, 3, 8), np.float32))
+    with pytest.raises(ValueError, match="'kernel'"):
+        gvr.sparda.compressed_keys(K, bt, ln, kernel=0)
+    with pytest.raises(TypeError, match="'stride'"):
+        gvr.sparda.compressed_keys(K, bt, ln, stride=1.5)
+    with pytest.raises(ValueError, match="lengths"):
+        gvr.sparda.compressed_keys(K, bt, np.array([100, 1000], np.int32))  # > max_pages * P = 160
+    with pytest.raises(TypeError, match="'start'"):
+        gvr.sparda.update_compressed_keys(kt, K, bt, None, ln)
+    with pytest.raises(TypeError, match="'k_cache'"):
+        gvr.sparda.compressed_keys(K.astype(np.float64), bt, ln)
+    with pytest.raises(TypeError, match="'ktilde'"):
+        gvr.sparda.update_compressed_keys(kt.astype(np.float64), K, bt, ln, ln)
+    K0, kt0 = K.copy(), kt.copy()
+    with pytest.raises(ValueError):
+        gvr.sparda.update_compressed_keys(kt, K, bt, ln, np.array([100, 999], np.int32))
+    assert np.array_equal(K, K0) and np.array_equal(kt, kt0)  # a failed call writes nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_equals_cpu_updates_and_replays(dtype, monkeypatch):
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("GVR_UNVERIFIED_CUDA", "1")
+    K, bt = case(8, num_pages=300, P=64, H=8, D=128, B=3, maxp=96)
+    bt[2, 5] = -1
+    td = getattr(torch, dtype)
+    Kc = torch.from_numpy(K).to(td)
+    Kg, btg = Kc.cuda(), torch.from_numpy(bt).cuda()
+    ln = np.array([96 * 64, 1000, 31], np.int32)
+    want = gvr.sparda.compressed_keys(Kc, torch.from_numpy(bt), torch.from_numpy(ln))
+    got = gvr.sparda.compressed_keys(Kg, btg, torch.from_numpy(ln).cuda())
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+    start, end = torch.tensor([100, 1000, 31], dtype=torch.int32), torch.tensor([200, 1777, 64], dtype=torch.int32)
+    gvr.sparda.update_compressed_keys(want, Kc, torch.from_numpy(bt), start, end)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    kt = got.clone()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            gvr.sparda.update_compressed_keys(kt, Kg, btg, start.cuda(), end.cuda())
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(kt.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def test_cuda_is_gated(monkeypatch):
+    if torch is None or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA tensor to show the gate")
+    monkeypatch.delenv("GVR_UNVERIFIED_CUDA", raising=False)
+    with pytest.raises(NotImplementedError, match="GVR_UNVERIFIED_CUDA=1"):
+        gvr.sparda.compressed_keys(torch.zeros(4, 16, 2, 64, device="cuda", dtype=torch.bfloat16),
+                                   torch.zeros(1, 4, dtype=torch.int32, device="cuda"))
