@@ -39,6 +39,10 @@ K = 2048
 WORKLOADS = {
     "trace45": {"overlap": 0.45, "desc": "decode trace (gvr.data), target step-to-step Top-K overlap 0.45"},
     "trace02": {"overlap": 0.02, "desc": "decode trace (gvr.data), target overlap 0.02 (clamped to chance level, ~k/N)"},
+    # the hint-quality sweep (issue 15): not in the default grid, name them with --workloads
+    "trace20": {"overlap": 0.20, "desc": "decode trace (gvr.data), target overlap 0.20", "sweep": True},
+    "trace70": {"overlap": 0.70, "desc": "decode trace (gvr.data), target overlap 0.70", "sweep": True},
+    "trace95": {"overlap": 0.95, "desc": "decode trace (gvr.data), target overlap 0.95", "sweep": True},
     "iid": {"overlap": None, "desc": "i.i.d. N(0,1) rows, a fresh draw per step (prev = Top-K of the previous draw)"},
 }
 GRID = {  # (sizes, batches), full and --quick
@@ -480,7 +484,9 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=K)
     p.add_argument("--n", "--sizes", dest="sizes", type=int, nargs="+", default=None, help="row lengths N (override the grid)")
     p.add_argument("--batch", "--batches", dest="batches", type=int, nargs="+", default=None, help="batch sizes B (override the grid)")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--workloads", nargs="+", default=[w for w in WORKLOADS if not WORKLOADS[w].get("sweep")],
+                   choices=list(WORKLOADS), help="default: trace45 trace02 iid; the hint-quality sweep adds "
+                   "trace20 trace70 trace95")
     p.add_argument("--steps", type=int, default=3, help="decode steps per trace (timed: steps 1..steps-1)")
     p.add_argument("--pool", type=int, default=None, help="independent trace rows per (workload, N) (default CPU 8, CUDA 4; --quick 2)")
     p.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,7 @@
 #   budget   gvr.prr.Budget.profile on this GPU -> $OUT/budget.json
 #   topkpt   topk_decode's page-table transform: GPU tests, top-k sanitizer cases, benchmarks/bench_page_table.py
 #   sparda   issue 14's pieces (compressed keys, forecast_select): GPU tests, sanitizer
+#   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
 #            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
@@ -137,6 +138,13 @@ sparda() {  # issue 14's pieces: their GPU tests, sanitizer (compressed keys are
   sanitize sparda
 }
 
+hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev_topk over overlaps 2-95%
+  say "bench_topk hint sweep"
+  (cd /tmp && timeout 500 $PY "$ROOT/benchmarks/bench_topk.py" --device cuda --workloads trace02 trace20 trace45 trace70 \
+    trace95 --n 32768 65536 131072 262144 --batch 1 8 64 --out "$OUT/bench_hint_sweep_cuda.json") > "$OUT/bench_hint_sweep.log" 2>&1
+  echo "exit $?"; tail -70 "$OUT/bench_hint_sweep.log"
+}
+
 ncu_b1() {  # Nsight Compute on the B=1 cells of 1K and 8K tokens
   for tok in 1024 8192; do
     say "ncu B=1 $tok tokens"
@@ -163,6 +171,7 @@ for mode in "${@:-check}"; do
     budget) budget ;;
     topkpt) topkpt ;;
     sparda) sparda ;;
+    hintsweep) hintsweep ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
