@@ -24,10 +24,6 @@ import numpy as np
 __all__ = ["Budget"]
 
 
-def _median(xs):
-    return float(np.median(np.asarray(xs, dtype=np.float64)))
-
-
 def paged_decode_case(torch, B, context, Hq, Hkv, D, page, steps, *, persistence, generator, device, dtype):
     """The synthetic decode workload of Budget.profile, benchmarks/bench_prr.py and
     scripts/prr_step_profile.py: K and V [B * context / page, page, Hkv, D] N(0, 1) in ``dtype``, each
@@ -125,8 +121,8 @@ class Budget:
         queries drifting as an AR(1) of correlation ``persistence``. Timed: the selection
         (``select_blocks``) alone, the speculative attention over round(rho * k) blocks alone, the
         serial step, and ``SpeculativeAttention.step`` (``predictor``, ``mode``) at each rho. CUDA: one
-        graph of ``steps`` steps replayed ``replays`` times (median per step); CPU: wall time of the
-        eager steps (median per step)."""
+        graph of ``steps`` steps replayed ``replays`` times; CPU: ``replays`` eager runs of the steps
+        (gvr._harness); per step = the median run / steps."""
         from . import attention as _att
         from ._prr_runtime import SpeculativeAttention, quest_select
         from ._prr_select import select_blocks
@@ -152,39 +148,17 @@ class Budget:
         gen.manual_seed(seed)
         G = block_size
 
+        from . import _harness as H
+
         def timed(fn):
-            """median seconds per step of fn(i) over the steps"""
+            """seconds per step: median over runs of the ``steps`` steps (fn(0) .. fn(steps - 1)) / steps"""
+            def run():
+                for i in range(steps):
+                    fn(i)
             if cpu:
-                for i in range(steps):  # warm
-                    fn(i)
-                ts = []
-                for _ in range(replays):
-                    for i in range(steps):
-                        t0 = time.perf_counter()
-                        fn(i)
-                        ts.append(time.perf_counter() - t0)
-                return _median(ts)
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(side):
-                for i in range(steps):  # eager first: workspaces, the runtime's first step
-                    fn(i)
-                with torch.cuda.graph(g, stream=side):
-                    for i in range(steps):
-                        fn(i)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            torch.cuda.synchronize(dev)
-            g.replay()
-            torch.cuda.synchronize(dev)
-            st = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-            en = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-            for r in range(replays):
-                st[r].record()
-                g.replay()
-                en[r].record()
-            torch.cuda.synchronize(dev)
-            return _median([s.elapsed_time(e) * 1e-3 / steps for s, e in zip(st, en)])
+                return H.time_cpu(run, budget_s=0.0, min_runs=replays, max_runs=replays)["median_us"] * 1e-6 / steps
+            with torch.cuda.device(dev):  # a graph of the steps (captured after eager warm-up calls), replayed
+                return H.CudaTimer(torch, flush_bytes=0).graph(run, calls=1, replays=replays)["median_us"] * 1e-6 / steps
 
         rows = {}
         B = batch

@@ -553,7 +553,6 @@ def quest_select(meta, k, lengths=None, *, block_size, init_blocks=1, local_bloc
     if ms is None or len(ms) != 5:
         raise ValueError(f"'meta' must be [B, Hkv, Nb, 2, D] (from gvr.prr.block_metadata), got {ms and list(ms)}")
     kk = _check_int("k", k)
-    ordered = bool(sorted)
     Bm, Hkv, Nb = ms[:3]
     Bmax = Bm if max_batch is None else _check_int("max_batch", max_batch)
     if _is_torch(meta):
@@ -570,7 +569,7 @@ def quest_select(meta, k, lengths=None, *, block_size, init_blocks=1, local_bloc
         m = meta[:B]
         ln = lengths
         select_blocks(q, m, kk, ln, block_size=block_size, group_reduce=group_reduce, init_blocks=init_blocks,
-                      local_blocks=local_blocks, out=sel, sorted=ordered)
+                      local_blocks=local_blocks, out=sel, sorted=sorted)
         block_scores(q, m, ln, block_size=block_size, group_reduce=group_reduce, keep_first=0, keep_last=0, out=sc)
         return sel, sc
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 import sys
 
+from . import _C
+from ._interop import compiling, define_op, framework, prepare
+from .attention import _check_traced_stream, _new
+
 __all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys"]
 
 
@@ -183,7 +187,7 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
                                                writeable=False)
     nwin = _num_windows(lengths, kernel, stride)
     is_torch = type(nwin).__module__.startswith("torch")
-    if not (is_torch and nwin.is_cuda):  # host counts are checked here (device ones are clamped by the kernels)
+    if not compiling() and not (is_torch and nwin.is_cuda):  # host counts are checked here (device ones are clamped by the kernels)
         n_host = nwin.numpy() if is_torch else nwin
         most = int(n_host.max()) if n_host.size else 0
         if most > Nc:
@@ -204,8 +208,50 @@ def _gate(x, op):
             "CPU inputs, or set GVR_UNVERIFIED_CUDA=1 to run it anyway")
 
 
-def _windows_of(cap, kernel, stride):
-    return (cap - kernel) // stride + 1 if cap >= kernel else 0
+def _ckeys_shape(k_cache, block_table, kernel, stride):
+    """[B, Hkv, Nc, D], or None when the shapes can't be read (gvr._C then names the problem)."""
+    ks, bs = getattr(k_cache, "shape", None), getattr(block_table, "shape", None)
+    if ks is None or bs is None or len(ks) != 4 or len(bs) != 2:
+        return None
+    cap = int(bs[1]) * int(ks[1])
+    return (int(bs[0]), int(ks[2]), (cap - kernel) // stride + 1 if cap >= kernel else 0, int(ks[3]))
+
+
+def _run_ckeys(k_cache, block_table, end, start, out, kernel, stride, stream):
+    """gvr._C.sparda_compressed_keys: build (start None) into out (allocated when None) or update out."""
+    _gate(k_cache, "update_compressed_keys" if start is not None else "compressed_keys")
+    kernel = _check_int("kernel", kernel, 1)
+    stride = _check_int("stride", stride, 1)
+    fw = framework(k_cache)
+    if out is None:
+        out = _new(k_cache, fw, _ckeys_shape(k_cache, block_table, kernel, stride), None)
+    # gvr._C's spec order (k_cache, block_table, end, start, ktilde): nosync's bits follow it
+    (k, bt, e, s, o), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, end, start, out), stream)
+    _C.sparda_compressed_keys(k, bt, e, o, kernel, stride, s, stream, nosync)
+    return out
+
+
+def _ckeys_impl(k_cache, block_table, lengths, kernel, stride):
+    return _run_ckeys(k_cache, block_table, lengths, None, None, kernel, stride, None)
+
+
+def _ckeys_fake(k_cache, block_table, lengths, kernel, stride):
+    return k_cache.new_empty(_ckeys_shape(k_cache, block_table, kernel, stride))
+
+
+def _ckeys_update_impl(ktilde, k_cache, block_table, start, end, kernel, stride):
+    _run_ckeys(k_cache, block_table, end, start, ktilde, kernel, stride, None)
+
+
+def _ckeys_update_fake(ktilde, k_cache, block_table, start, end, kernel, stride):
+    return None
+
+
+_ckeys_op = define_op("sparda_compressed_keys", "(Tensor k_cache, Tensor block_table, Tensor? lengths, int kernel, "
+                      "int stride) -> Tensor", impl=_ckeys_impl, fake=_ckeys_fake)
+_ckeys_update_op = define_op("sparda_update_compressed_keys", "(Tensor(a!) ktilde, Tensor k_cache, Tensor block_table, "
+                             "Tensor start, Tensor end, int kernel, int stride) -> ()", impl=_ckeys_update_impl,
+                             fake=_ckeys_update_fake, mutates_args=("ktilde",))
 
 
 def compressed_keys(k_cache, block_table, lengths=None, *, kernel=32, stride=16, out=None, stream=None):
@@ -216,39 +262,25 @@ def compressed_keys(k_cache, block_table, lengths=None, *, kernel=32, stride=16,
     slot ``t % P``; a page < 0 or >= num_pages counts as zeros): its float32 sum in token order divided by
     ``kernel``, rounded to the cache's dtype, for every window complete within ``lengths[b]`` (default
     max_pages * P); the row's other windows are zero. Deterministic; the CPU (C) and CUDA (float16 /
-    bfloat16) give the same bits. ``update_compressed_keys`` keeps it current as tokens arrive.
+    bfloat16) give the same bits. ``update_compressed_keys`` keeps it current as tokens arrive. Under
+    torch.compile: the op ``torch.ops.gvr.sparda_compressed_keys``.
     """
-    from ._interop import framework, prepare
-    from .attention import _new
-    from . import _C
-    _gate(k_cache, "compressed_keys")
-    kernel = _check_int("kernel", kernel, 1)
-    stride = _check_int("stride", stride, 1)
-    fw = framework(k_cache)
-    if out is None:
-        ks, bs = getattr(k_cache, "shape", None), getattr(block_table, "shape", None)
-        shape = None
-        if ks is not None and bs is not None and len(ks) == 4 and len(bs) == 2:
-            shape = (int(bs[0]), int(ks[2]), _windows_of(int(bs[1]) * int(ks[1]), kernel, stride), int(ks[3]))
-        out = _new(k_cache, fw, shape, None)
-    # gvr._C's spec order (k_cache, block_table, end, start, ktilde): nosync's bits follow it
-    (k, bt, e, _, o), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, lengths, None, out), stream)
-    _C.sparda_compressed_keys(k, bt, e, o, kernel, stride, None, stream, nosync)
-    return out
+    if compiling():
+        _check_traced_stream(stream, "sparda.compressed_keys")
+        r = _ckeys_op.call(k_cache, block_table, lengths, kernel, stride)
+        return r if out is None else out.copy_(r)
+    return _run_ckeys(k_cache, block_table, lengths, None, out, kernel, stride, stream)
 
 
 def update_compressed_keys(ktilde, k_cache, block_table, start, end, *, kernel=32, stride=16, stream=None):
     """Fold the tokens ``[start[b], end[b])`` appended to each row into ``ktilde`` in place -> ``ktilde``:
     the windows those tokens complete (window end in ``(start[b], end[b]]``) are written as
-    ``compressed_keys`` defines them; nothing else changes. start, end: int32 ``[B]``."""
-    from ._interop import framework, prepare
-    from . import _C
+    ``compressed_keys`` defines them; nothing else changes. start, end: int32 ``[B]``. Under
+    torch.compile: the op ``torch.ops.gvr.sparda_update_compressed_keys``."""
     if start is None or end is None:
         raise TypeError("sparda.update_compressed_keys: 'start' and 'end' must be given (int32 [B])")
-    _gate(k_cache, "update_compressed_keys")
-    kernel = _check_int("kernel", kernel, 1)
-    stride = _check_int("stride", stride, 1)
-    fw = framework(k_cache)
-    (k, bt, e, s, o), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, end, start, ktilde), stream)
-    _C.sparda_compressed_keys(k, bt, e, o, kernel, stride, s, stream, nosync)
-    return ktilde
+    if compiling():
+        _check_traced_stream(stream, "sparda.update_compressed_keys")
+        _ckeys_update_op.call(ktilde, k_cache, block_table, start, end, kernel, stride)
+        return ktilde
+    return _run_ckeys(k_cache, block_table, end, start, ktilde, kernel, stride, stream)

@@ -338,3 +338,18 @@ def test_bad_step_inputs():
         sa.set_prediction(np.zeros((2, Hkv, 6), np.int64))
     with pytest.raises(ValueError, match="'rows'"):
         sa.reset(5)
+
+
+def test_quest_select_sorted_orders_best_first_and_must_be_a_bool():
+    dec = Decode(seed=31)
+    q = dec.q
+    plain = R.quest_select(dec.meta, dec.k, dec.lengths, block_size=G)(q)[0].copy()
+    best_first = R.quest_select(dec.meta, dec.k, dec.lengths, block_size=G, sorted=True)(q)[0]
+    assert np.array_equal(np.sort(plain, -1), np.sort(best_first, -1))
+    scores = gvr.prr.block_scores(q, dec.meta, dec.lengths, block_size=G, keep_first=1, keep_last=2)
+    for b in range(dec.B):
+        for h in range(Hkv):
+            s = [scores[b, h, x] for x in best_first[b, h] if x >= 0]
+            assert all(s[i] >= s[i + 1] for i in range(len(s) - 1))
+    with pytest.raises(TypeError, match="sorted"):
+        R.quest_select(dec.meta, dec.k, dec.lengths, block_size=G, sorted="yes")(q)

@@ -137,3 +137,23 @@ def test_cuda_is_gated(monkeypatch):
     with pytest.raises(NotImplementedError, match="GVR_UNVERIFIED_CUDA=1"):
         gvr.sparda.compressed_keys(torch.zeros(4, 16, 2, 64, device="cuda", dtype=torch.bfloat16),
                                    torch.zeros(1, 4, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.skipif(torch is None, reason="torch.compile needs torch")
+def test_torch_compile_fullgraph_matches_eager():
+    """compressed_keys / update_compressed_keys are torch.library ops (fake implementations): a compiled
+    step holds them without a graph break and gives the eager bits; forecast_select composes ops."""
+    K, bt = case(9, D=64)
+    Kt, btt = torch.from_numpy(K), torch.from_numpy(bt)
+    start, end = torch.tensor([40, 70], dtype=torch.int32), torch.tensor([100, 150], dtype=torch.int32)
+
+    def step(k, table, s, e, F):
+        kt = gvr.sparda.compressed_keys(k, table, s)
+        gvr.sparda.update_compressed_keys(kt, k, table, s, e)
+        return kt, gvr.sparda.forecast_select(F, kt, 4, lengths=e)
+
+    F = torch.randn(2, 2, 64)
+    want = step(Kt, btt, start, end, F)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(Kt, btt, start, end, F)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[0], gvr.sparda.compressed_keys(Kt, btt, end))
+    assert torch.equal(torch.sort(got[1], -1).values, torch.sort(want[1], -1).values)
