@@ -105,6 +105,12 @@ static PyMethodDef methods[] = {
     /* @@prr-select-methods@@ */
     {"sparda_compressed_keys", (PyCFunction)(void (*)(void))gvr_py_sparda_compressed_keys,
      METH_VARARGS | METH_KEYWORDS, gvr_sparda_ckeys_doc},
+    {"sparda_prefetch", (PyCFunction)(void (*)(void))gvr_py_sparda_prefetch, METH_VARARGS | METH_KEYWORDS,
+     gvr_sparda_prefetch_doc},
+    {"prefetch_workspace_size", gvr_py_sparda_prefetch_workspace_size, METH_VARARGS,
+     "prefetch_workspace_size(device, S, B, Hsel, n, max_pages) -> bytes of gvr.sparda.prefetch's CUDA workspace"},
+    {"sparda_kv_store", (PyCFunction)(void (*)(void))gvr_py_sparda_kv_store, METH_VARARGS | METH_KEYWORDS,
+     gvr_sparda_kv_store_doc},
     {"prr_ema_predict", (PyCFunction)(void (*)(void))gvr_py_prr_ema_predict, METH_VARARGS | METH_KEYWORDS,
      gvr_ema_predict_doc},
     {"prr_ema_update", (PyCFunction)(void (*)(void))gvr_py_prr_ema_update, METH_VARARGS | METH_KEYWORDS,
@@ -133,5 +139,16 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "gvr._C", "gvr's C
 PyMODINIT_FUNC PyInit__C(void)
 {
     import_array();
-    return PyModule_Create(&moduledef);
+    if (PyType_Ready(&gvr_HostBufferType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m)
+        return NULL;
+    Py_INCREF(&gvr_HostBufferType);
+    if (PyModule_AddObject(m, "HostBuffer", (PyObject *)&gvr_HostBufferType) < 0) {
+        Py_DECREF(&gvr_HostBufferType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

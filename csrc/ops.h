@@ -25,6 +25,11 @@ extern const char gvr_block_metadata_doc[], gvr_block_scores_doc[];
 /* @@prr-select-decls@@ */
 PyObject *gvr_py_sparda_compressed_keys(PyObject *self, PyObject *args, PyObject *kwds);
 extern const char gvr_sparda_ckeys_doc[];
+PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *gvr_py_sparda_prefetch_workspace_size(PyObject *self, PyObject *args);
+PyObject *gvr_py_sparda_kv_store(PyObject *self, PyObject *args, PyObject *kwds);
+extern const char gvr_sparda_prefetch_doc[], gvr_sparda_kv_store_doc[];
+extern PyTypeObject gvr_HostBufferType;
 PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *gvr_py_prr_ema_calibrate(PyObject *self, PyObject *args, PyObject *kwds);

@@ -108,10 +108,24 @@ def _host_view(a):
     if a is None or not type(a).__module__.startswith("torch"):
         return a
     a = _detach(a)
+    if a.is_cuda or a.dtype not in _numpy_dtypes():  # bfloat16: .numpy() would raise (~25 us)
+        return a
     try:
         return a.numpy()
     except (TypeError, RuntimeError):
         return a
+
+
+_NP_DTYPES = None
+
+
+def _numpy_dtypes():
+    """the torch dtypes NumPy can view"""
+    global _NP_DTYPES
+    if _NP_DTYPES is None:
+        t = _torch_module()
+        _NP_DTYPES = frozenset((t.float32, t.float16, t.float64, t.int32, t.int64, t.int16, t.int8, t.uint8, t.bool))
+    return _NP_DTYPES
 
 
 def prepare(fw: str, like, arrays: tuple, stream):

@@ -3,20 +3,18 @@ and prefetch of the selected KV blocks from pinned host memory.
 
 Built so far: the Forecast's training objective, ``forecast_kl_loss`` (section 4.4; PyTorch only, as
 training is), the Forecast indexer's selection, ``forecast_select`` (section 4.3), and the compressed
-keys it scores, ``compressed_keys`` / ``update_compressed_keys`` (eq. 5; their CUDA kernel is compiled
-but has not yet run on a GPU: NotImplementedError on CUDA inputs unless GVR_UNVERIFIED_CUDA=1). Still
-to come (issue 14): ``HostKVCache``, ``prefetch``, ``Prefetcher``.
+keys it scores, ``compressed_keys`` / ``update_compressed_keys`` (eq. 5); the KV cache in pinned host
+memory, ``HostKVCache``, and ``prefetch`` of the selected blocks into a GPU staging cache.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 from . import _C
-from ._interop import compiling, define_op, framework, prepare
-from .attention import _check_traced_stream, _new
+from ._interop import _host_view, compiling, define_op, framework, prepare
+from .attention import _capturing, _check_traced_stream, _new, _stream_for, _zeros
 
-__all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys"]
+__all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys", "HostKVCache", "prefetch"]
 
 
 def _torch():
@@ -197,17 +195,6 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
                          out=out, stream=stream)
 
 
-def _is_cuda(x):
-    return bool(getattr(x, "is_cuda", False)) or type(x).__module__.startswith("cupy")
-
-
-def _gate(x, op):
-    if _is_cuda(x) and os.environ.get("GVR_UNVERIFIED_CUDA") != "1":
-        raise NotImplementedError(
-            f"the CUDA path of gvr.sparda.{op} is compiled but has not yet run on a GPU (its GPU tests are owed): use "
-            "CPU inputs, or set GVR_UNVERIFIED_CUDA=1 to run it anyway")
-
-
 def _ckeys_shape(k_cache, block_table, kernel, stride):
     """[B, Hkv, Nc, D], or None when the shapes can't be read (gvr._C then names the problem)."""
     ks, bs = getattr(k_cache, "shape", None), getattr(block_table, "shape", None)
@@ -219,7 +206,6 @@ def _ckeys_shape(k_cache, block_table, kernel, stride):
 
 def _run_ckeys(k_cache, block_table, end, start, out, kernel, stride, stream):
     """gvr._C.sparda_compressed_keys: build (start None) into out (allocated when None) or update out."""
-    _gate(k_cache, "update_compressed_keys" if start is not None else "compressed_keys")
     kernel = _check_int("kernel", kernel, 1)
     stride = _check_int("stride", stride, 1)
     fw = framework(k_cache)
@@ -284,3 +270,265 @@ def update_compressed_keys(ktilde, k_cache, block_table, start, end, *, kernel=3
         _ckeys_update_op.call(ktilde, k_cache, block_table, start, end, kernel, stride)
         return ktilde
     return _run_ckeys(k_cache, block_table, end, start, ktilde, kernel, stride, stream)
+
+
+# --------------------------------------------------------------------------------------------------
+# the KV cache in pinned host memory, and prefetch of selected blocks into a GPU staging cache
+# --------------------------------------------------------------------------------------------------
+_METHODS = {"auto": 0, "kernel": 1, "memcpy": 2}
+
+
+def _torch_dtype(dtype):
+    t = sys.modules.get("torch")
+    return t is not None and isinstance(dtype, t.dtype)
+
+
+class HostKVCache:
+    """K and V of ``num_layers`` layers in paged host memory -- pinned and device-mapped (cudaHostAlloc,
+    portable) on ``device="cuda"``, plain host memory on ``device="cpu"`` -- for SparDA (paper 004): the
+    GPU reads selected blocks from it with :func:`prefetch` and writes new tokens with :meth:`append`.
+
+    ``k(layer)`` / ``v(layer)``: ``[num_pages, P, Hkv, D]`` views (layout "NHD"; "HND" stores each page as
+    ``[Hkv, P, D]`` and returns permuted views), zero-filled at creation; NumPy arrays for a NumPy dtype,
+    torch CPU tensors for a torch dtype (bfloat16 included). A block of :func:`prefetch` is one page.
+    ``close()`` frees the memory now (BufferError while views of it are alive, as ``mmap``); also a context
+    manager. Memory: ``2 * num_layers * num_pages * P * Hkv * D * itemsize`` bytes (``nbytes``).
+    """
+
+    def __init__(self, num_layers, num_pages, P, Hkv, D, dtype, *, device="cuda", layout="NHD"):
+        import numpy as np
+        for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("P", P), ("Hkv", Hkv), ("D", D)):
+            _check_int(name, v, 1)
+        if layout not in ("NHD", "HND"):
+            raise ValueError(f"'layout' must be 'NHD' or 'HND', got {layout!r}")
+        dev = str(device)
+        if dev != "cpu" and not dev.startswith("cuda"):
+            raise ValueError(f"'device' must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+        self._torch = _torch_dtype(dtype)
+        if self._torch:
+            t = _torch()
+            itemsize = t.empty((), dtype=dtype).element_size()
+            if dtype not in (t.float16, t.bfloat16, t.float32, t.uint8):
+                raise TypeError(f"'dtype' must be float16, bfloat16, float32 or uint8, got {dtype}")
+        else:
+            try:
+                npd = np.dtype(dtype)
+            except TypeError as e:
+                raise TypeError(f"'dtype' must be a NumPy or torch dtype, got {dtype!r}") from e
+            if npd not in (np.float16, np.float32, np.uint8):
+                raise TypeError(f"'dtype' must be float16, float32 or uint8 (bfloat16: a torch dtype), got {npd}")
+            itemsize = npd.itemsize
+        self.num_layers, self.num_pages, self.P, self.Hkv, self.D = num_layers, num_pages, P, Hkv, D
+        self.dtype, self.layout, self.device = dtype, layout, dev
+        per = num_pages * P * Hkv * D * itemsize
+        self._per = per
+        if dev.startswith("cuda") and ":" in dev:
+            self._set_device(int(dev.split(":")[1]))
+        self._buf = _C.HostBuffer(2 * num_layers * per, pinned=dev != "cpu")
+        self.nbytes = 2 * num_layers * per
+        self._views = [self._make(i) for i in range(2 * num_layers)]
+
+    @staticmethod
+    def _set_device(i):
+        t = sys.modules.get("torch")
+        if t is not None and t.cuda.is_available():
+            t.cuda.set_device(i)
+
+    def _make(self, i):
+        import numpy as np
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=self._per, offset=i * self._per)
+        N, P, H, D = self.num_pages, self.P, self.Hkv, self.D
+        shape = (N, P, H, D) if self.layout == "NHD" else (N, H, P, D)
+        if self._torch:
+            t = _torch()
+            x = t.from_numpy(raw).view(self.dtype).view(shape)
+        else:
+            x = raw.view(np.dtype(self.dtype)).reshape(shape)
+        if self.layout == "HND":
+            x = x.permute(0, 2, 1, 3) if self._torch else x.transpose(0, 2, 1, 3)
+        return x
+
+    @property
+    def pinned(self):
+        return bool(self._buf.pinned)
+
+    @property
+    def closed(self):
+        return self._views is None
+
+    def _check(self, layer):
+        if self._views is None:
+            raise ValueError("this HostKVCache is closed")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"'layer' must be an int in [0, {self.num_layers}), got {layer!r}")
+
+    def k(self, layer):
+        """layer's K: ``[num_pages, P, Hkv, D]`` (a view of the host memory)."""
+        self._check(layer)
+        return self._views[2 * layer]
+
+    def v(self, layer):
+        """layer's V: ``[num_pages, P, Hkv, D]`` (a view of the host memory)."""
+        self._check(layer)
+        return self._views[2 * layer + 1]
+
+    def append(self, layer, k, v, slots, stream=None):
+        """Write T new tokens of ``layer``: ``k``, ``v`` ``[T, Hkv, D]`` (the cache's dtype; CUDA tensors for a
+        pinned cache, written through its device mapping, asynchronously on ``stream`` -- default: the
+        current stream; or host arrays, written now), ``slots`` int64 ``[T]`` (int32 accepted) token slots
+        ``page * P + offset`` as vLLM's slot_mapping; < 0 skipped. Later tokens win when two name one slot.
+        Host slots >= num_pages * P raise ValueError; device ones are skipped."""
+        self._check(layer)
+        fw = framework(k)
+        if fw == "torch" and getattr(slots, "dtype", None) is not None and str(slots.dtype) == "torch.int32":
+            slots = slots.long()
+        elif fw == "numpy" and getattr(slots, "dtype", None) is not None and str(slots.dtype) == "int32":
+            slots = slots.astype("int64")
+        ck, cv = self._views[2 * layer], self._views[2 * layer + 1]
+        if fw == "torch" and k.is_cuda:
+            (ak, av, asl), st, nosync = prepare(fw, k, (k, v, slots), stream)
+            _C.sparda_kv_store(ak, av, asl, ck, cv, st, nosync)
+        else:
+            (ak, av, asl), st, _ = prepare(fw, k, (k, v, slots), stream)
+            _C.sparda_kv_store(ak, av, asl, ck, cv, None, 0)
+
+    def close(self):
+        """Free the memory now. BufferError while views of it (arrays from k()/v() or derived from them)
+        are alive; closing twice does nothing."""
+        if self._views is None:
+            return
+        views, self._views = self._views, None
+        try:
+            del views
+            if self._buf.exports:  # views caught in reference cycles
+                import gc
+                gc.collect()
+            self._buf.close()
+        except BufferError:
+            self._views = [self._make(i) for i in range(2 * self.num_layers)] if not self._buf.closed else None
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        state = "closed" if self._views is None else ("pinned" if self.pinned else "host")
+        return (f"HostKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, P={self.P}, Hkv={self.Hkv}, "
+                f"D={self.D}, dtype={self.dtype}, layout={self.layout!r}, {state}, {self.nbytes} bytes)")
+
+
+_PF_WS: dict = {}
+_PF_CAPTURED: list = []
+
+
+def _prefetch_workspace(like, fw, stream, S, indices, block_table, host_k):
+    ix = getattr(indices, "shape", None)
+    if ix is None or len(ix) != 3:
+        return None
+    maxp = block_table.shape[1] if block_table is not None and len(block_table.shape) == 2 else host_k.shape[0]
+    dev = like.device.index if fw == "torch" else like.device.id
+    need = _C.prefetch_workspace_size(dev, S, int(ix[0]), int(ix[1]), int(ix[2]), int(maxp))
+    key = (fw, dev, stream)
+    ws = _PF_WS.get(key)
+    if ws is not None and ws.shape[0] >= need:
+        return ws
+    ws = _zeros(like, fw, max(need, 2 * ws.shape[0] if ws is not None else 0, 256))
+    if _capturing(fw):
+        _PF_CAPTURED.append(ws)
+    else:
+        _PF_WS[key] = ws
+    return ws
+
+
+def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream, method,
+                  max_ctas):
+    if not isinstance(method, str) or method not in _METHODS:
+        raise ValueError(f"'method' must be 'auto', 'kernel' or 'memcpy', got {method!r}")
+    if max_ctas is not None:
+        _check_int("max_ctas", max_ctas, 1)
+    fw = framework(dst_k)
+    ds = getattr(dst_k, "shape", None)
+    if slot_map_out is None and fw in ("torch", "cupy"):
+        ix = getattr(indices, "shape", None)
+        maxp = (block_table.shape[1] if block_table is not None else getattr(host_k, "shape", (0,))[0])
+        if ix is not None and len(ix) == 3:
+            slot_map_out = _new(dst_k, fw, (int(ix[0]), int(maxp)), "int32")
+    ws = None
+    if fw in ("torch", "cupy") and is_cuda(dst_k, fw):
+        stream = _stream_for(dst_k, fw, stream)
+        on_device = framework(indices) in ("torch", "cupy") and is_cuda(indices, framework(indices))
+        if method != "memcpy" and on_device and ds is not None and len(ds) == 4:
+            ws = _prefetch_workspace(dst_k, fw, stream, int(ds[0]), indices, block_table, host_k)
+    arrays = (host_k, host_v, indices, block_table, resident, dst_k, dst_v, slot_map_out, counts, ws)
+    (hk, hv, ix, bt, rs, dk, dv, sm, ct, aws), stream, nosync = prepare(fw, dst_k, arrays, stream)
+    r = _C.sparda_prefetch(_host_side(hk), _host_side(hv), ix, bt, rs, dk, dv, sm, ct, aws, _METHODS[method],
+                           max_ctas or 0, stream, nosync)
+    return r if slot_map_out is None else slot_map_out
+
+
+def _host_side(x):
+    """torch CPU tensors (pinned or not) as NumPy views where NumPy has the dtype: the host intake
+    then needs no DLPack export."""
+    return _host_view(x) if type(x).__module__.startswith("torch") and not x.is_cuda else x
+
+
+def is_cuda(x, fw):
+    return (fw == "torch" and x.is_cuda) or fw == "cupy"
+
+
+def _prefetch_impl(host_k, host_v, indices, dst_k, dst_v, block_table, resident, max_ctas):
+    return _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, None, None, None, "kernel",
+                         max_ctas)
+
+
+def _prefetch_fake(host_k, host_v, indices, dst_k, dst_v, block_table, resident, max_ctas):
+    maxp = block_table.shape[1] if block_table is not None else host_k.shape[0]
+    return dst_k.new_empty((indices.shape[0], maxp), dtype=_torch().int32)
+
+
+_prefetch_op = define_op("sparda_prefetch", "(Tensor host_k, Tensor host_v, Tensor indices, Tensor(a!) dst_k, "
+                         "Tensor(b!) dst_v, Tensor? block_table, Tensor? resident, int? max_ctas) -> Tensor",
+                         impl=_prefetch_impl, fake=_prefetch_fake, mutates_args=("dst_k", "dst_v"))
+
+
+def prefetch(host_k, host_v, indices, dst_k, dst_v, *, block_table=None, resident=None, slot_map_out=None, counts=None,
+             stream=None, method="auto", max_ctas=None):
+    """Gather the KV blocks named by ``indices`` from a paged cache in host memory into a staging cache,
+    moving only blocks that are not already there (SparDA, paper 004) -> ``slot_map`` int32
+    ``[B, max_pages]``: the staging page of each logical block (-1 none), the block table that
+    ``gvr.sparse_attention(q, dst_k, dst_v, indices, lengths=..., block_table=slot_map, block_size=P)``
+    takes -- the same indices and lengths as attention over the host cache, so prefetch -> attention
+    needs no translation.
+
+    host_k, host_v: ``[num_pages, P, Hkv, D]`` (:class:`HostKVCache` layers, or torch tensors made with
+    ``pin_memory=True``; for a CUDA staging cache they must be pinned and device-mapped: ValueError
+    otherwise). Every page is one run of bytes (NHD, or HND as a permuted view) laid out as in dst.
+    indices: int32 ``[B, Hsel, n]``, logical blocks of P tokens of row b (-1 / out of range: skipped).
+    dst_k, dst_v: ``[S, P, Hkv, D]`` staging pages, ``S >= min(B*Hsel*n, B*max_pages)``.
+    block_table: int32 ``[B, max_pages]``, the host page of each logical block (< 0: none); None: block j
+    of every row is host page j (max_pages = num_pages).
+    resident: the previous call's slot map (the staging cache's content; keep it true: a block rewritten
+    after it was staged must be set to -1 there). Needed blocks it names keep their slots and are not
+    moved; blocks it names that are not needed stay while their slots are not taken (set -1 otherwise).
+    The policy, deterministic: kernels/gvr_kernels.h, "SparDA host KV cache".
+    slot_map_out: where to write (allocated when None; must not be ``resident``: alternate two).
+    counts: int64 ``[2]`` output, {blocks moved, blocks needed}.
+    method: "kernel" -- a plan kernel and a gather kernel reading host memory through UVA (``max_ctas``
+    CTAs, default 16): selections on the device, graph-capturable, no host sync; "memcpy" -- the plan on
+    the CPU and the copy engines (cudaMemcpyBatchAsync, adjacent blocks joined): selections in host
+    memory; "auto" -- "kernel" for device selections, "memcpy" for host ones. On the CPU (host staging
+    arrays) every method runs the C implementation. Under torch.compile: ``torch.ops.gvr.sparda_prefetch``
+    (method "kernel").
+    """
+    if compiling():
+        _check_traced_stream(stream, "sparda.prefetch")
+        if slot_map_out is not None or counts is not None or method not in ("auto", "kernel"):
+            raise ValueError("gvr.sparda.prefetch under torch.compile takes neither 'slot_map_out', 'counts' nor "
+                             "method 'memcpy'")
+        return _prefetch_op.call(host_k, host_v, indices, dst_k, dst_v, block_table, resident, max_ctas)
+    return _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream,
+                         method, max_ctas)

@@ -112,7 +112,8 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
                defaults to torch's current stream on the scores' device, or CuPy's current stream.
                Accepted and ignored for CPU inputs (NumPy, CPU tensors). Not supported under
                torch.compile: use ``with torch.cuda.stream(s):`` there.
-    method:    "auto" (the fastest exact path for the shape and hint), "gvr" or "radix" — a CUDA
+    method:    "auto" (the fastest exact path measured for the shape; on CUDA it leaves ``prev_topk``
+               out, which measured never faster), "gvr" (uses the hint) or "radix" — a CUDA
                choice. Every method gives the same result; on the CPU all three run its one
                implementation, so code written for the GPU runs unchanged there.
     block_table, page_size: DSA's page-table transform, fused into the Top-K: with an int32

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 8
+#define GVR_ABI_VERSION 9
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -431,6 +431,110 @@ typedef struct {
 
 int gvr_sparda_compressed_keys(const gvr_sparda_ckeys_params *p, void *stream);
 
+/* ---- SparDA host KV cache: prefetch and store (csrc/sparda_host.c, kernels/sparda/prefetch.cu) ---- */
+
+/* Prefetch of selected KV blocks from a paged cache in pinned, device-mapped host memory into a GPU
+ * staging cache, moving only blocks that are not already staged.
+ *
+ * A block is one page of P tokens (all Hkv heads), the same block_size = P unit sparse_attention's
+ * block-table mode takes. host_k/host_v: [num_pages, P, Hkv, D]; dst_k/dst_v: [S, P, Hkv, D], the same
+ * element size; every page of all four is `page_bytes` contiguous bytes with one inner layout (NHD or
+ * HND), so a block moves as one run of bytes; page p of host_k starts at host_k + p*host_stride_page
+ * bytes (likewise the others).
+ *
+ * indices: int32 [B, Hsel, n] (row b, entry (h, i) at indices[b*ix_stride_b + h*ix_stride_h + i]) are
+ * logical block numbers of row b; an entry outside [0, max_pages) is skipped (-1 padding). Host page of
+ * block j of row b: block_table[b*bt_stride_b + j], or j itself when block_table is NULL (then
+ * max_pages = num_pages); a page outside [0, num_pages) is not moved.
+ * resident (nullable): int32 [B, max_pages] (row stride res_stride_b), the previous call's slot map:
+ * resident[b, j] in [0, S) says staging page s holds block j of row b (the caller keeps it true).
+ * slot_map: int32 [B, max_pages] (row stride map_stride_b, written entirely): the staging page of every
+ * block, -1 where none -- the block table of the staging cache for
+ * gvr_sparse_attention(..., block_table = slot_map, block_size = P).
+ *
+ * The policy, deterministic and a function of the inputs only:
+ *  1. needed: the blocks (b, j) named by a kept entry whose host page is valid;
+ *  2. owner of slot s: the first block (b, j) in row-major order with resident[b, j] == s and a valid
+ *     host page (later claims of s are ignored);
+ *  3. kept: a needed block that owns its resident slot keeps it (not moved);
+ *  4. free slots, in this order: slots with no owner (ascending), then slots whose owner is not needed
+ *     (ascending); the needed blocks that are not kept take them in row-major order and are moved
+ *     (K and V);
+ *  5. retained: a block that is not needed but owns a slot that was not handed out keeps it in slot_map
+ *     (its data still there); every other block gets -1.
+ * S >= the needed blocks' count is required (the intake checks S >= min(B*Hsel*n, B*max_pages)).
+ * counts (nullable): int64 [2] = {blocks moved, blocks needed} of this call.
+ *
+ * sparda_prefetch_plan_cpu (csrc/cpu) computes slot_map, counts and the move list on the CPU (all pointers host
+ * memory) -- the reference, and the plan of the copy-engine method. gvr_sparda_prefetch runs on the
+ * device: indices, block_table, resident, slot_map, counts in device memory; host_k/host_v the DEVICE
+ * pointers of mapped host memory; method GVR_PREFETCH_KERNEL (a plan kernel and a UVA gather kernel of
+ * at most max_ctas CTAs; graph-safe, no host sync) or GVR_PREFETCH_MEMCPY (moves[] planned on the host,
+ * one copy per run of adjacent blocks through the copy engines, cudaMemcpyBatchAsync; slot_map and
+ * counts come from the host plan, plan_slot_map / plan_counts). */
+enum { GVR_PREFETCH_AUTO = 0, GVR_PREFETCH_KERNEL = 1, GVR_PREFETCH_MEMCPY = 2 };
+
+typedef struct {
+    const void *host_k, *host_v; /* device pointers of the mapped host caches */
+    int64_t host_stride_k, host_stride_v; /* bytes between pages */
+    int64_t num_pages;
+    void *dst_k, *dst_v;
+    int64_t dst_stride_k, dst_stride_v; /* bytes between staging pages */
+    int32_t S;                          /* staging pages */
+    int64_t page_bytes;                 /* P * Hkv * D * element size, a multiple of 16 on the device */
+    int32_t B, Hsel, n;
+    const int32_t *indices;
+    int64_t ix_stride_b, ix_stride_h;
+    const int32_t *block_table; /* nullable */
+    int64_t bt_stride_b;
+    int32_t max_pages;
+    const int32_t *resident; /* nullable */
+    int64_t res_stride_b;
+    int32_t *slot_map;
+    int64_t map_stride_b;
+    int64_t *counts; /* nullable */
+    int32_t method;
+    int32_t max_ctas; /* the gather kernel's CTAs (0: the library's choice) */
+    /* GVR_PREFETCH_MEMCPY: the host plan's moves, pairs (host page, staging page), n_moves of them (host
+     * memory); plan_slot_map / plan_counts (nullable): the host plan's slot map (contiguous [B, max_pages])
+     * and counts, copied into slot_map (then contiguous) and counts on the stream */
+    const int32_t *moves;
+    int32_t n_moves;
+    const int32_t *plan_slot_map;
+    const int64_t *plan_counts;
+} gvr_prefetch_params;
+
+/* Device workspace bytes of gvr_sparda_prefetch (any content on entry; the call leaves it unspecified). */
+size_t gvr_sparda_prefetch_workspace_size(const gvr_prefetch_params *p);
+int gvr_sparda_prefetch(const gvr_prefetch_params *p, void *workspace, size_t workspace_bytes, void *stream);
+
+/* Store of T new tokens into a paged cache (vLLM's reshape_and_cache, for host caches):
+ *   dst_k[slot / P, slot % P, h, :] = k[t, h, :], likewise v, for slot = slots[t] >= 0 (slots < 0 skipped;
+ *   the intake checks the host ones are < num_pages * P, device ones outside are skipped).
+ * k, v: [T, Hkv, D] with unit stride along D; dst: [num_pages, P, Hkv, D] (device pointers of mapped host
+ * memory on the device). Later tokens win when two name one slot. */
+typedef struct {
+    int32_t elem_bytes;
+    int32_t T, Hkv, D;
+    const void *k, *v;
+    int64_t k_stride_t, k_stride_h, v_stride_t, v_stride_h; /* elements */
+    const int64_t *slots;
+    void *dst_k, *dst_v;
+    int64_t dk_stride_page, dk_stride_tok, dk_stride_head; /* elements */
+    int64_t dv_stride_page, dv_stride_tok, dv_stride_head;
+    int64_t num_pages;
+    int32_t P;
+} gvr_kv_store_params;
+
+int gvr_sparda_kv_store(const gvr_kv_store_params *p, void *stream);
+
+/* Pinned, device-mapped, portable host memory (cudaHostAlloc) and its release; the device pointer of
+ * [ptr, ptr + bytes) when it lies in one pinned, mapped allocation (an error naming what it is
+ * otherwise). */
+int gvr_cuda_host_alloc(size_t bytes, void **ptr);
+int gvr_cuda_host_free(void *ptr);
+int gvr_cuda_host_device_pointer(const void *ptr, size_t bytes, void **device_ptr);
+
 /* ---- the symbol list ------------------------------------------------------------------------ */
 
 /* Every entry point, as X(return type, field name, symbol, parameter list): csrc/cuda_lib.c builds its
@@ -458,7 +562,13 @@ int gvr_sparda_compressed_keys(const gvr_sparda_ckeys_params *p, void *stream);
       (const gvr_ema_calibrate_params *))                                                            \
     X(int, prr_ema_calibrate, gvr_prr_ema_calibrate, (const gvr_ema_calibrate_params *, void *, size_t, void *)) \
     /* @@prr-ema-symbols@@ */                                                                        \
-    X(int, sparda_compressed_keys, gvr_sparda_compressed_keys, (const gvr_sparda_ckeys_params *, void *))
+    X(int, sparda_compressed_keys, gvr_sparda_compressed_keys, (const gvr_sparda_ckeys_params *, void *)) \
+    X(size_t, sparda_prefetch_workspace_size, gvr_sparda_prefetch_workspace_size, (const gvr_prefetch_params *)) \
+    X(int, sparda_prefetch, gvr_sparda_prefetch, (const gvr_prefetch_params *, void *, size_t, void *)) \
+    X(int, sparda_kv_store, gvr_sparda_kv_store, (const gvr_kv_store_params *, void *))                \
+    X(int, host_alloc, gvr_cuda_host_alloc, (size_t, void **))                                        \
+    X(int, host_free, gvr_cuda_host_free, (void *))                                                   \
+    X(int, host_device_pointer, gvr_cuda_host_device_pointer, (const void *, size_t, void **))
 
 #ifdef __cplusplus
 }

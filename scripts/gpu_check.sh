@@ -14,7 +14,8 @@
 #   prrprof  Nsight Compute kernel durations of one serial and one PRR step (CSV)
 #   budget   gvr.prr.Budget.profile on this GPU -> $OUT/budget.json
 #   topkpt   topk_decode's page-table transform: GPU tests, top-k sanitizer cases, benchmarks/bench_page_table.py
-#   sparda   issue 14's pieces (compressed keys, forecast_select): GPU tests, sanitizer
+#   sparda   issue 14's pieces (compressed keys, forecast_select, prefetch, host cache): GPU tests, sanitizer
+#   spardabench  benchmarks/bench_sparda.py -> $OUT/results_sparda_cuda.json, bench_sparda.log
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
@@ -134,8 +135,13 @@ topkpt() {  # issue 15's page-table transform: its GPU tests, the top-k sanitize
 
 sparda() {  # issue 14's pieces: their GPU tests, sanitizer (compressed keys are gated until these pass)
   say "GPU tests (sparda)"
-  (cd tests && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu -rs test_sparda_ckeys.py test_sparda_select.py) 2>&1 | tee "$OUT/pytest_sparda_gpu.log" | tail -8
+  (cd tests && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu -rs test_sparda_ckeys.py test_sparda_select.py test_sparda_prefetch.py) 2>&1 | tee "$OUT/pytest_sparda_gpu.log" | tail -30
   sanitize sparda
+}
+
+spardabench() {  # benchmarks/bench_sparda.py: gathers per method, matmul slowdown, resident bytes, the layer pipeline
+  say "bench_sparda"
+  (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_sparda.py" --json "$OUT/results_sparda_cuda.json") 2>&1 | tee "$OUT/bench_sparda.log" | tail -40
 }
 
 hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev_topk over overlaps 2-95%
@@ -171,6 +177,7 @@ for mode in "${@:-check}"; do
     budget) budget ;;
     topkpt) topkpt ;;
     sparda) sparda ;;
+    spardabench) spardabench ;;
     hintsweep) hintsweep ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;

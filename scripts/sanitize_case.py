@@ -159,8 +159,6 @@ if only in (None, "prr"):
 
 # ---- SparDA: compressed keys (build, update; a page out of range), forecast_select ----
 if only in (None, "sparda"):
-    import os
-    os.environ["GVR_UNVERIFIED_CUDA"] = "1"  # the compressed-keys kernel is gated until its GPU tests have run
     dev = "cuda"
     K = torch.randn(40, 64, 2, 128, dtype=torch.bfloat16, device=dev)
     bt = torch.randperm(40, device=dev)[:30].int().view(2, 15)
@@ -173,5 +171,30 @@ if only in (None, "sparda"):
     F = torch.randn(2, 2, 128, dtype=torch.bfloat16, device=dev)
     gvr.sparda.forecast_select(F, kt, 8, lengths=ln)
     torch.cuda.synchronize()
+    # prefetch (plan + UVA gather kernels, copy engines) and the KV store, against the C path
+    cache = gvr.sparda.HostKVCache(1, 50, 16, 2, 64, torch.bfloat16, device="cuda")
+    hk, hv = cache.k(0), cache.v(0)
+    tok = torch.randn(100, 2, 64, dtype=torch.bfloat16, device=dev)
+    slots = torch.randperm(800, device=dev)[:100]
+    slots[7] = slots[3]  # a duplicate: the later token wins
+    slots[9] = -1
+    cache.append(0, tok, tok * 2, slots)
+    torch.cuda.synchronize()
+    ix = torch.tensor([[[3, 9, -1, 3, 40], [1, 2, 3, 4, 60]], [[0, 5, 7, 7, 7], [8, 9, 10, 11, 12]]],
+                      dtype=torch.int32)
+    bt = torch.randperm(50)[:40].int().view(2, 20)
+    bt[0, 9] = -1
+    S = 24
+    dk, dv = (torch.zeros(S, 16, 2, 64, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    hdk, hdv = (torch.zeros(S, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    m = gvr.sparda.prefetch(hk, hv, ix.to(dev), dk, dv, block_table=bt.to(dev), method="kernel", max_ctas=3)
+    want = gvr.sparda.prefetch(hk, hv, ix, hdk, hdv, block_table=bt)
+    m2 = gvr.sparda.prefetch(hk, hv, (ix + 1).to(dev), dk, dv, block_table=bt.to(dev), resident=m)
+    gvr.sparda.prefetch(hk, hv, ix + 1, dk, dv, block_table=bt, resident=m.cpu(), method="memcpy")
+    torch.cuda.synchronize()
+    assert torch.equal(m.cpu(), want), "prefetch slot map"
+    del hk, hv
+    print("sanitize case: prefetch ran")
+    del cache  # freed with its last reference (close() is tested in tests/test_sparda_prefetch.py)
     print("sanitize case: sparda ok")
 print("sanitize case ok")

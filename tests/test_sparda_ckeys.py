@@ -2,7 +2,7 @@
 against a NumPy reference that sums in token order in float32 (float32 caches; float16 and bfloat16
 through torch CPU tensors, the mean rounded to the cache's dtype), incremental updates equal rebuilds,
 pages out of range count as zeros, bad inputs named. GPU tests (the CUDA kernel against the C path,
-graph capture) are marked gpu; the CUDA path is gated until they have run (GVR_UNVERIFIED_CUDA=1)."""
+graph capture) are marked gpu."""
 
 import numpy as np
 import pytest
@@ -101,11 +101,10 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cuda_equals_cpu_updates_and_replays(dtype, monkeypatch):
+def test_cuda_equals_cpu_updates_and_replays(dtype):
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    monkeypatch.setenv("GVR_UNVERIFIED_CUDA", "1")
     K, bt = case(8, num_pages=300, P=64, H=8, D=128, B=3, maxp=96)
     bt[2, 5] = -1
     td = getattr(torch, dtype)
@@ -121,22 +120,15 @@ def test_cuda_equals_cpu_updates_and_replays(dtype, monkeypatch):
     s.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
     kt = got.clone()
+    start_g, end_g = start.cuda(), end.cuda()  # host-to-device copies are not capturable
     with torch.cuda.stream(s):
         with torch.cuda.graph(g, stream=s):
-            gvr.sparda.update_compressed_keys(kt, Kg, btg, start.cuda(), end.cuda())
+            gvr.sparda.update_compressed_keys(kt, Kg, btg, start_g, end_g)
     torch.cuda.current_stream().wait_stream(s)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(kt.cpu().view(torch.int16), want.view(torch.int16))
 
-
-def test_cuda_is_gated(monkeypatch):
-    if torch is None or not torch.cuda.is_available():
-        pytest.skip("needs a CUDA tensor to show the gate")
-    monkeypatch.delenv("GVR_UNVERIFIED_CUDA", raising=False)
-    with pytest.raises(NotImplementedError, match="GVR_UNVERIFIED_CUDA=1"):
-        gvr.sparda.compressed_keys(torch.zeros(4, 16, 2, 64, device="cuda", dtype=torch.bfloat16),
-                                   torch.zeros(1, 4, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.skipif(torch is None, reason="torch.compile needs torch")

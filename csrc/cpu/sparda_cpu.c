@@ -97,3 +97,132 @@ int sparda_compressed_keys_cpu(const gvr_sparda_ckeys_params *p)
     const int64_t work = units * (int64_t)p->Nc * p->kernel * p->D;
     return gvr_parallel_rows(units, work, ckeys_unit, (void *)p);
 }
+
+/* ---- prefetch: the policy of gvr_kernels.h, step by step ---------------------------------------- */
+
+static int32_t page_of(const gvr_prefetch_params *p, int64_t b, int32_t j)
+{
+    const int64_t pg = p->block_table ? p->block_table[b * p->bt_stride_b + j] : j;
+    return pg >= 0 && pg < p->num_pages ? (int32_t)pg : -1;
+}
+
+int sparda_prefetch_plan_cpu(const gvr_prefetch_params *p, int32_t *moves, int32_t *n_moves)
+{
+    const int64_t B = p->B, M = p->max_pages, S = p->S;
+    int64_t *owner = malloc((size_t)(S ? S : 1) * sizeof *owner);
+    int32_t *order = malloc((size_t)(S ? S : 1) * sizeof *order);
+    if (!owner || !order) {
+        free(owner);
+        free(order);
+        return -1;
+    }
+    /* slot_map: -1 everywhere, -2 on the needed blocks */
+    for (int64_t b = 0; b < B; b++) {
+        int32_t *row = p->slot_map + b * p->map_stride_b;
+        for (int64_t j = 0; j < M; j++)
+            row[j] = -1;
+        for (int64_t h = 0; h < p->Hsel; h++) {
+            const int32_t *ix = p->indices + b * p->ix_stride_b + h * p->ix_stride_h;
+            for (int64_t i = 0; i < p->n; i++) {
+                const int32_t j = ix[i];
+                if (j >= 0 && j < M && page_of(p, b, j) >= 0)
+                    row[j] = -2;
+            }
+        }
+    }
+    /* owners: the first claim of each slot in row-major order */
+    for (int64_t s = 0; s < S; s++)
+        owner[s] = -1;
+    if (p->resident)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < M; j++) {
+                const int32_t r = p->resident[b * p->res_stride_b + j];
+                if (r >= 0 && r < S && owner[r] < 0 && page_of(p, b, (int32_t)j) >= 0)
+                    owner[r] = b * M + j;
+            }
+    /* free slots: unowned ascending, then owned by a block that is not needed, ascending; kept slots
+     * stay with their needed owner */
+    int64_t nfree = 0, kept = 0;
+    for (int64_t s = 0; s < S; s++)
+        if (owner[s] < 0)
+            order[nfree++] = (int32_t)s;
+    for (int64_t s = 0; s < S; s++) {
+        if (owner[s] < 0)
+            continue;
+        int32_t *m = p->slot_map + (owner[s] / M) * p->map_stride_b + owner[s] % M;
+        if (*m == -2) {
+            *m = (int32_t)s;
+            kept++;
+        } else
+            order[nfree++] = (int32_t)s;
+    }
+    /* the needed blocks not kept take the free slots in row-major order */
+    int64_t moved = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int32_t *row = p->slot_map + b * p->map_stride_b;
+        for (int64_t j = 0; j < M; j++)
+            if (row[j] == -2) {
+                const int32_t s = order[moved]; /* moved < nfree: S covers the needed blocks (intake) */
+                row[j] = s;
+                moves[2 * moved] = page_of(p, b, (int32_t)j);
+                moves[2 * moved + 1] = s;
+                moved++;
+            }
+    }
+    /* retained: owners that are not needed keep the slots nobody took */
+    for (int64_t f = moved; f < nfree; f++) {
+        const int32_t s = order[f];
+        if (owner[s] >= 0)
+            p->slot_map[(owner[s] / M) * p->map_stride_b + owner[s] % M] = s;
+    }
+    if (p->counts) {
+        p->counts[0] = moved;
+        p->counts[1] = moved + kept;
+    }
+    *n_moves = (int32_t)moved;
+    free(owner);
+    free(order);
+    return 0;
+}
+
+int sparda_prefetch_cpu(const gvr_prefetch_params *p)
+{
+    int64_t cap = (int64_t)p->B * p->max_pages;
+    if ((int64_t)p->S < cap)
+        cap = p->S;
+    int32_t *moves = malloc((size_t)(cap ? 2 * cap : 2) * sizeof *moves), n = 0;
+    if (!moves || sparda_prefetch_plan_cpu(p, moves, &n)) {
+        free(moves);
+        return -1;
+    }
+    for (int32_t m = 0; m < n; m++) {
+        const int64_t src = moves[2 * m], dst = moves[2 * m + 1];
+        memcpy((char *)p->dst_k + dst * p->dst_stride_k, (const char *)p->host_k + src * p->host_stride_k,
+               (size_t)p->page_bytes);
+        memcpy((char *)p->dst_v + dst * p->dst_stride_v, (const char *)p->host_v + src * p->host_stride_v,
+               (size_t)p->page_bytes);
+    }
+    free(moves);
+    return 0;
+}
+
+int sparda_kv_store_cpu(const gvr_kv_store_params *p)
+{
+    const size_t row = (size_t)p->D * (size_t)p->elem_bytes;
+    const int64_t cap = p->num_pages * p->P;
+    for (int64_t t = 0; t < p->T; t++) {
+        const int64_t slot = p->slots[t];
+        if (slot < 0 || slot >= cap)
+            continue;
+        const int64_t pg = slot / p->P, off = slot % p->P;
+        for (int64_t h = 0; h < p->Hkv; h++) {
+            memcpy((char *)p->dst_k + (pg * p->dk_stride_page + off * p->dk_stride_tok + h * p->dk_stride_head) *
+                                          p->elem_bytes,
+                   (const char *)p->k + (t * p->k_stride_t + h * p->k_stride_h) * p->elem_bytes, row);
+            memcpy((char *)p->dst_v + (pg * p->dv_stride_page + off * p->dv_stride_tok + h * p->dv_stride_head) *
+                                          p->elem_bytes,
+                   (const char *)p->v + (t * p->v_stride_t + h * p->v_stride_h) * p->elem_bytes, row);
+        }
+    }
+    return 0;
+}

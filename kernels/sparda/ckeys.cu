@@ -6,9 +6,7 @@
  * token order in float32 (__fadd_rn: no contraction), divided by the kernel size (__fdiv_rn) and
  * rounded to the cache's dtype (RN) -- the arithmetic of csrc/cpu/sparda_cpu.c in the same order, so
  * CUDA and CPU agree bit for bit. Device start/end are clamped to [0, max_pages * P]. No allocation,
- * no synchronization, no host reads: graph-safe; deterministic.
- * UNVERIFIED on a GPU so far: gvr.sparda raises NotImplementedError on CUDA inputs unless
- * GVR_UNVERIFIED_CUDA=1 until tests/test_sparda_ckeys.py's GPU tests have run. */
+ * no synchronization, no host reads: graph-safe; deterministic. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -182,13 +182,23 @@ GVR_API size_t gvr_topk_decode_workspace_size(const gvr_topk_params *p)
     return 0;
 }
 
-GVR_API int gvr_topk_decode(const gvr_topk_params *p, void *workspace, size_t workspace_bytes, void *stream_)
+GVR_API int gvr_topk_decode(const gvr_topk_params *p_in, void *workspace, size_t workspace_bytes, void *stream_)
 {
     (void)workspace;
     (void)workspace_bytes;
     cudaStream_t stream = (cudaStream_t)stream_;
-    if (p->B == 0 || p->k == 0)
+    if (p_in->B == 0 || p_in->k == 0)
         return 0;
+    /* AUTO leaves the previous step's Top-K out: on the H100 the sample's guess measured as fast or faster
+     * at every overlap of consecutive Top-K sets (2-95%, B 1/8/64, N 32K-256K; benchmarks/RESULTS.md, the
+     * hint-quality sweep), and the hint up to 1.8x slower at B 64 -- a prediction must never cost time.
+     * Method GVR forced still takes it. */
+    gvr_topk_params q = *p_in;
+    if (q.method == GVR_TOPK_AUTO) {
+        q.prev = nullptr;
+        q.Kp = 0;
+    }
+    const gvr_topk_params *p = &q;
     /* AUTO: the GVR kernel, except for rows that one CTA's registers hold at two float4s per thread,
      * where the radix path's single-CTA digit rounds measured faster on an H100 */
     const int method = p->method != GVR_TOPK_AUTO ? p->method : p->N <= AUTO_RADIX_MAX_N ? GVR_TOPK_RADIX : GVR_TOPK_GVR;

@@ -1,0 +1,317 @@
+"""gvr.sparda.prefetch (issue 14): host -> device gathers of selected KV blocks from pinned host memory.
+
+Sections (CUDA events around each eager call, end to end: plan + moves, the wrapper's host time included
+when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
+  gather    blocks of 64 tokens x Hkv 8 x D 128 x bf16 (128 KiB per page of K, as much of V) and of 16
+            tokens, 1..2048 blocks at random host pages, per method: kernel (UVA gather, 16 CTAs, eager),
+            kernel_graph (the same in a CUDA graph: device time, no host work), kernel64 (64 CTAs), memcpy
+            (host plan, cudaMemcpyBatchAsync), torch (one copy_ per block: what a torch user writes),
+            against contiguous (one copy_ of the same bytes from a pinned tensor: the ceiling)
+  matmul    the slowdown of a concurrent bf16 matmul (8192^3) while each method gathers 512 64-token
+            blocks in a loop on a second stream
+  resident  bytes moved with 60% of the selected blocks resident (resident= the previous slot map)
+  pipeline  a 4-layer decode at 128K tokens (B 1, Hq 32, Hkv 8, D 128, P 64): per layer, forecast_select of
+            the next layer's 32 blocks, their prefetch, sparse_attention over the staged blocks + a matmul
+            standing in for the FFN; synchronous (one stream) vs asynchronous (prefetch on its own stream,
+            one layer ahead): fraction of the transfer time hidden = (sync - async) / transfer
+Every gather is checked byte for byte against the host pages. Usage: python benchmarks/bench_sparda.py
+[--json PATH] [--quick]
+"""
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import _harness as H  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="fewer block counts, no pipeline")
+    args = ap.parse_args()
+    gvr = H.import_gvr(ROOT)
+    import gvr.sparda  # noqa: F401
+    import torch
+    timer = H.CudaTimer(torch, flush_bytes=0)
+    meta = H.header(torch, ROOT, cuda=True)
+    print(H.header_line(meta))
+    dev = torch.device("cuda")
+    result = {"header": meta, "gather": [], "matmul": [], "resident": [], "pipeline": {}}
+    bf = torch.bfloat16
+    Hkv, D = 8, 128
+
+    # every section on a stream of its own: cudaMemcpyBatchAsync refuses the legacy default stream
+    bench_stream = torch.cuda.Stream()
+    torch.cuda.set_stream(bench_stream)
+
+    # ---- gather ------------------------------------------------------------------------------------
+    counts_all = (1, 8, 32, 128, 512, 2048) if not args.quick else (1, 32, 512)
+    names = ("contiguous", "kernel", "kernel_graph", "kernel64", "memcpy", "torch")
+    headers = (["P", "blocks", "MiB"] + list(names) + [f"GB/s {k}" for k in names] + ["check"])
+    rows = []
+    for P, pages in ((64, 4096), (16, 8192)):
+        cache = gvr.sparda.HostKVCache(1, pages, P, Hkv, D, bf, device="cuda")
+        hk, hv = cache.k(0), cache.v(0)
+        g = torch.Generator().manual_seed(P)
+        torch.manual_seed(P)
+        hk.copy_(torch.randn(hk.shape, device=dev, dtype=bf))
+        hv.copy_(torch.randn(hv.shape, device=dev, dtype=bf))
+        page_bytes = P * Hkv * D * 2
+        for n in counts_all:
+            sel = torch.randperm(pages, generator=g)[:n].int()
+            ix_h = sel.view(1, 1, n).contiguous()
+            ix_d = ix_h.to(dev)
+            dk = torch.empty((n, P, Hkv, D), dtype=bf, device=dev)
+            dv = torch.empty_like(dk)
+            nbytes = 2 * n * page_bytes
+            src_k = torch.empty((n, P, Hkv, D), dtype=bf).pin_memory()
+            src_v = torch.empty_like(src_k).pin_memory()
+            t = {}
+            t["contiguous"] = timer.events(lambda: (dk.copy_(src_k, non_blocking=True), dv.copy_(src_v, non_blocking=True)),
+                                           20)["median_us"]
+            t["kernel"] = timer.events(lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel"), 20)["median_us"]
+            sm_out = torch.empty((1, pages), dtype=torch.int32, device=dev)
+            t["kernel_graph"] = timer.graph(lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel",
+                                                                        slot_map_out=sm_out), 5, 5)["median_us"]
+            m = gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel")
+            torch.cuda.synchronize()
+            ok = _check(torch, hk, hv, dk, dv, sel, m)
+            t["kernel64"] = timer.events(lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel", max_ctas=64),
+                                         20)["median_us"]
+            dk.zero_()
+            t["memcpy"] = timer.events(lambda: gvr.sparda.prefetch(hk, hv, ix_h, dk, dv, method="memcpy"), 20)["median_us"]
+            m2 = gvr.sparda.prefetch(hk, hv, ix_h, dk, dv, method="memcpy")
+            torch.cuda.synchronize()
+            ok = ok and _check(torch, hk, hv, dk, dv, sel, m2) and torch.equal(m.cpu(), m2.cpu())
+            if n <= 128:
+                sl = sel.tolist()
+
+                def per_block():
+                    for i, p in enumerate(sl):
+                        dk[i].copy_(hk[p], non_blocking=True)
+                        dv[i].copy_(hv[p], non_blocking=True)
+                t["torch"] = timer.events(per_block, 10)["median_us"]
+            else:
+                t["torch"] = None
+            gb = {k: (nbytes / (v * 1e-6) / 1e9 if v else None) for k, v in t.items()}
+            rows.append([P, n, f"{nbytes / 2**20:.2f}"] + [H.fmt_us(t[k]) for k in names]
+                        + [f"{gb[k]:.1f}" if gb[k] else "-" for k in names] + ["ok" if ok else "MISMATCH"])
+            result["gather"].append({"P": P, "blocks": n, "bytes": nbytes, "us": t, "gbps": gb, "ok": ok})
+            print(H.format_table(headers, rows[-1:]) if len(rows) == 1 else H.format_table(headers, rows[-1:]).split("\n")[-1],
+                  flush=True)
+            del dk, dv, src_k, src_v
+        del hk, hv
+        cache.close()
+
+    # ---- matmul slowdown ---------------------------------------------------------------------------
+    P, pages, n = 64, 2048, 512
+    cache = gvr.sparda.HostKVCache(1, pages, P, Hkv, D, bf, device="cuda")
+    hk, hv = cache.k(0), cache.v(0)
+    sel = torch.randperm(pages)[:n].int().view(1, 1, n)
+    ix_d, ix_h = sel.to(dev), sel.clone()
+    dk = torch.empty((n, P, Hkv, D), dtype=bf, device=dev)
+    dv = torch.empty_like(dk)
+    a = torch.randn(8192, 8192, dtype=bf, device=dev)
+    b = torch.randn(8192, 8192, dtype=bf, device=dev)
+    c = torch.empty_like(a)
+    side = torch.cuda.Stream()
+
+    side.wait_stream(torch.cuda.current_stream())
+
+    def mm_time(reps=10):
+        # events on this stream only: no device-wide synchronization until the end (the gathers queued
+        # on the side stream keep running under these matmuls)
+        torch.matmul(a, b, out=c)
+        st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            st[i].record()
+            torch.matmul(a, b, out=c)
+            en[i].record()
+        torch.cuda.synchronize()
+        return H.median([s_.elapsed_time(e_) * 1e3 for s_, e_ in zip(st, en)])
+
+    alone = mm_time()
+    for name, fn in (("kernel", lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel", stream=side)),
+                     ("kernel4", lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel", max_ctas=4,
+                                                             stream=side)),
+                     ("memcpy", lambda: gvr.sparda.prefetch(hk, hv, ix_h, dk, dv, method="memcpy", stream=side))):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            for _ in range(60):  # ~60 x 5 ms of gathers queued: the matmuls below run under them
+                fn()
+        with_g = mm_time()
+        torch.cuda.synchronize()
+        slow = with_g / alone - 1.0
+        result["matmul"].append({"method": name, "alone_us": alone, "with_us": with_g, "slowdown": slow})
+        print(f"matmul 8192^3 bf16: alone {alone:.0f} us, with {name} gathers {with_g:.0f} us: slowdown {100 * slow:.1f}%",
+              flush=True)
+    del a, b, c
+
+    # ---- resident ------------------------------------------------------------------------------------
+    n = 32
+    g = torch.Generator().manual_seed(5)
+    first = torch.randperm(pages, generator=g)[:n]
+    keep = first[: int(0.6 * n)]
+    rest = torch.tensor([p for p in torch.randperm(pages, generator=g).tolist() if p not in set(first.tolist())][: n - len(keep)])
+    second = torch.cat([keep, rest])
+    dk = torch.empty((2 * n, P, Hkv, D), dtype=bf, device=dev)
+    dv = torch.empty_like(dk)
+    cnt = torch.zeros(2, dtype=torch.int64, device=dev)
+    m1 = gvr.sparda.prefetch(hk, hv, first.int().view(1, 1, n).to(dev), dk, dv, counts=cnt)
+    s1 = cnt.clone()
+    ix2 = second.int().view(1, 1, n).to(dev)
+    m2 = gvr.sparda.prefetch(hk, hv, ix2, dk, dv, resident=m1, counts=cnt)
+    torch.cuda.synchronize()
+    ok = _check(torch, hk, hv, dk, dv, second.int(), m2)
+    full = gvr.sparda.prefetch(hk, hv, ix2, dk, dv, counts=cnt.clone())
+    t_res = timer.events(lambda: gvr.sparda.prefetch(hk, hv, ix2, dk, dv, resident=m1, slot_map_out=m2), 20)["median_us"]
+    t_full = timer.events(lambda: gvr.sparda.prefetch(hk, hv, ix2, dk, dv), 20)["median_us"]
+    del full
+    moved = int(cnt[0])
+    result["resident"].append({"blocks": n, "resident_fraction": 0.6, "first_moved": int(s1[0]), "moved": moved,
+                               "needed": int(cnt[1]), "bytes_moved": moved * 2 * P * Hkv * D * 2,
+                               "bytes_without": n * 2 * P * Hkv * D * 2, "us_resident": t_res, "us_full": t_full,
+                               "ok": ok})
+    print(f"resident: {n} blocks, 60% resident -> moved {moved} of {int(cnt[1])} needed ({n / max(moved, 1):.2f}x fewer "
+          f"bytes); {t_res:.1f} us vs {t_full:.1f} us moving all; {'ok' if ok else 'MISMATCH'}", flush=True)
+    del hk, hv, dk, dv
+    cache.close()
+
+    if not args.quick:
+        result["pipeline"] = pipeline(gvr, torch, timer)
+    if args.json:
+        H.write_json(args.json, result)
+        print(f"# wrote {args.json}")
+
+
+def _check(torch, hk, hv, dk, dv, sel, slot_map):
+    sm = slot_map.cpu()[0]
+    slots = sm[sel.long()]
+    if (slots < 0).any():
+        return False
+    return bool(torch.equal(dk.cpu()[slots.long()], hk[sel.long()]) and torch.equal(dv.cpu()[slots.long()], hv[sel.long()]))
+
+
+def pipeline(gvr, torch, timer):
+    """4 layers, 128K tokens, B 1: sync vs async prefetch one layer ahead."""
+    L, P, Hq, Hkv, D, k, T = 4, 64, 32, 8, 128, 32, 131072
+    pages = T // P
+    bf = torch.bfloat16
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    cache = gvr.sparda.HostKVCache(L, pages, P, Hkv, D, bf, device="cuda")
+    ktil = []
+    for l in range(L):
+        kd = torch.randn(cache.k(l).shape, device=dev, dtype=bf)
+        cache.k(l).copy_(kd)
+        cache.v(l).copy_(torch.randn(cache.v(l).shape, device=dev, dtype=bf))
+        # the layer's compressed keys per page, one GQA group (Hsel 1: one selection for every head)
+        ktil.append(kd.float().mean(dim=(1, 2)).to(bf).view(1, 1, pages, D))
+        del kd
+    lengths = torch.tensor([T], dtype=torch.int32, device=dev)
+    nwin = torch.tensor([pages], dtype=torch.int32, device=dev)  # windows of one page each
+    block_table = torch.arange(pages, dtype=torch.int32, device=dev).view(1, pages)
+    S = 2 * k
+    stage = [(torch.empty((S, P, Hkv, D), dtype=bf, device=dev), torch.empty((S, P, Hkv, D), dtype=bf, device=dev))
+             for _ in range(L)]
+    maps = [[torch.full((1, pages), -1, dtype=torch.int32, device=dev) for _ in range(2)] for _ in range(L)]
+    sel = [torch.empty((1, 1, k), dtype=torch.int32, device=dev) for _ in range(L)]
+    F = [torch.randn(1, 1, D, generator=g).to(bf).to(dev) for _ in range(L)]
+    q = torch.randn(1, Hq, D, dtype=bf, device=dev)
+    W = torch.randn(4096, 28672, dtype=bf, device=dev)  # the FFN stand-in: 235 MB of weights read per layer
+    x = torch.randn(1, 4096, dtype=bf, device=dev)
+    y = torch.empty(1, 28672, dtype=bf, device=dev)
+    side = torch.cuda.Stream()
+    step_box = [0]
+
+    def select(l):
+        F[l].mul_(0.9).add_(0.45 * torch.randn_like(F[l]))  # the Forecast drifts step to step
+        gvr.sparda.forecast_select(F[l], ktil[l], k, lengths=nwin, kernel=1, stride=1,
+                                   init_blocks=1, local_blocks=2, out=sel[l])
+
+    def fetch(l, stream=None):
+        cur, prev = maps[l][step_box[0] % 2], maps[l][(step_box[0] + 1) % 2]
+        gvr.sparda.prefetch(cache.k(l), cache.v(l), sel[l], stage[l][0], stage[l][1], block_table=block_table,
+                            resident=prev, slot_map_out=cur, stream=stream)
+
+    def attend(l):
+        cur = maps[l][step_box[0] % 2]
+        gvr.sparse_attention(q, stage[l][0], stage[l][1], sel[l], lengths=lengths, block_table=cur, block_size=P)
+        torch.matmul(x, W, out=y)
+
+    def step_sync():
+        step_box[0] += 1
+        for l in range(L):
+            select(l)
+            fetch(l)
+            attend(l)
+
+    ev = [torch.cuda.Event() for _ in range(L)]
+
+    def step_async():
+        step_box[0] += 1
+        main = torch.cuda.current_stream()
+        select(0)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            fetch(0, side)
+        ev[0].record(side)
+        for l in range(L):
+            if l + 1 < L:
+                select(l + 1)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    fetch(l + 1, side)
+                ev[l + 1].record(side)
+            main.wait_event(ev[l])
+            attend(l)
+        main.wait_stream(side)
+
+    def transfer_only():
+        step_box[0] += 1
+        for l in range(L):
+            select(l)
+            fetch(l)
+
+    def compute_only():
+        for l in range(L):
+            attend(l)
+
+    for fn in (step_sync, step_async):
+        fn()
+    torch.cuda.synchronize()
+    cnt = torch.zeros(2, dtype=torch.int64, device=dev)
+    # overlap of consecutive selections (what resident saves)
+    moved = []
+    for _ in range(4):
+        step_box[0] += 1
+        for l in range(L):
+            select(l)
+            cur, prev = maps[l][step_box[0] % 2], maps[l][(step_box[0] + 1) % 2]
+            gvr.sparda.prefetch(cache.k(l), cache.v(l), sel[l], stage[l][0], stage[l][1], block_table=block_table,
+                                resident=prev, slot_map_out=cur, counts=cnt)
+            moved.append(int(cnt[0]))
+    r = {}
+    # each variant as a CUDA graph of 2 steps (forecast_select -> prefetch -> attention are graph-safe; the
+    # side stream joins the capture): device time, no host work in it
+    for name, fn in (("sync", step_sync), ("async", step_async), ("transfer", transfer_only), ("compute", compute_only)):
+        r[name] = timer.graph(fn, 2, 10)["median_us"]
+    hidden = (r["sync"] - r["async"]) / r["transfer"] if r["transfer"] > 0 else None
+    r["hidden_fraction"] = hidden
+    r["mean_blocks_moved_per_layer"] = sum(moved) / len(moved)
+    r["blocks_per_layer"] = k
+    print(f"pipeline 128K x {L} layers, CUDA graphs, per step (B 1, {k} blocks of {P} tokens per layer, "
+          f"{r['mean_blocks_moved_per_layer']:.1f} moved per layer with resident=): sync {r['sync']:.0f} us, async {r['async']:.0f} us, transfer alone "
+          f"{r['transfer']:.0f} us, compute alone {r['compute']:.0f} us -> hidden {100 * hidden:.0f}% of the transfer",
+          flush=True)
+    del stage, W
+    cache.close()
+    return r
+
+
+if __name__ == "__main__":
+    main()

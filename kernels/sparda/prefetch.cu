@@ -1,0 +1,405 @@
+/* prefetch.cu: SparDA's host KV cache on the device (gvr_kernels.h, "SparDA host KV cache"):
+ * gvr_sparda_prefetch (the slot policy as one plan kernel, then a UVA gather kernel; or copies through
+ * the copy engines from a host plan), gvr_sparda_kv_store (new tokens into a host cache through UVA),
+ * and the pinned host memory entry points.
+ *
+ * Plan: one CTA of 1024 threads runs the policy's steps with __syncthreads between them (owners by
+ * atomicMin of the row-major block number, then block-wide scans in slot / row-major order: the same
+ * result as csrc/cpu/sparda_cpu.c, whatever the timing). Gather: at most max_ctas CTAs of 8 warps; a warp
+ * moves one 8 KiB piece of a page at a time, 16 loads of 16 bytes per lane in flight before their
+ * stores (reads from pinned host memory cross PCIe: latency is hidden by bytes in flight). No
+ * allocation, no host synchronization: graph-safe. */
+#include <cuda_runtime.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#include "common/cluster.cuh"
+#include "common/launch.cuh"
+#include "common/runtime.cuh"
+#include "gvr_kernels.h"
+
+#define GVR_API extern "C" __attribute__((visibility("default")))
+
+namespace gvr::sparda {
+namespace {
+
+constexpr int PLAN_THREADS = 1024;
+constexpr int GATHER_THREADS = 256;
+constexpr int PIECE_CHUNKS = 512; /* 16-byte chunks of a warp's piece: 8 KiB */
+constexpr int PER_LANE = PIECE_CHUNKS / 32;
+constexpr int DEFAULT_CTAS = 16;
+constexpr int STORE_CHUNK_TOKENS = 8192; /* tokens per store launch: duplicates are resolved within one */
+
+size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+int64_t move_cap(const gvr_prefetch_params *p)
+{
+    int64_t cap = (int64_t)p->B * p->Hsel * p->n, all = (int64_t)p->B * p->max_pages;
+    if (all < cap)
+        cap = all;
+    if ((int64_t)p->S < cap)
+        cap = p->S;
+    return cap;
+}
+
+struct Workspace {
+    int32_t *claim, *order, *moves, *n_moves;
+};
+
+Workspace carve(const gvr_prefetch_params *p, void *ws)
+{
+    char *c = (char *)ws;
+    Workspace w;
+    w.claim = (int32_t *)c;
+    c += align256((size_t)p->S * 4);
+    w.order = (int32_t *)c;
+    c += align256((size_t)p->S * 4);
+    w.moves = (int32_t *)c;
+    c += align256((size_t)move_cap(p) * 8);
+    w.n_moves = (int32_t *)c;
+    return w;
+}
+
+__device__ __forceinline__ int32_t page_of(const gvr_prefetch_params &p, long long b, int32_t j)
+{
+    const long long pg = p.block_table ? (long long)p.block_table[b * p.bt_stride_b + j] : (long long)j;
+    return pg >= 0 && pg < p.num_pages ? (int32_t)pg : -1;
+}
+
+__device__ __forceinline__ int32_t *map_at(const gvr_prefetch_params &p, long long lin)
+{
+    return p.slot_map + (lin / p.max_pages) * p.map_stride_b + lin % p.max_pages;
+}
+
+__global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const gvr_prefetch_params p, Workspace w)
+{
+    using Scan = cub::BlockScan<int, PLAN_THREADS>;
+    using Reduce = cub::BlockReduce<int, PLAN_THREADS>;
+    __shared__ union {
+        typename Scan::TempStorage scan;
+        typename Reduce::TempStorage reduce;
+    } tmp;
+    pdl_enter();
+    const int t = threadIdx.x;
+    const long long M = p.max_pages, total = (long long)p.B * M, S = p.S;
+    const long long entries = (long long)p.B * p.Hsel * p.n;
+    /* 1. no owner, no slot */
+    for (long long s = t; s < S; s += PLAN_THREADS)
+        w.claim[s] = INT_MAX;
+    for (long long lin = t; lin < total; lin += PLAN_THREADS)
+        *map_at(p, lin) = -1;
+    __syncthreads();
+    /* 2. needed blocks: -2 */
+    const long long per_row = (long long)p.Hsel * p.n;
+    for (long long e = t; e < entries; e += PLAN_THREADS) {
+        const long long b = e / per_row, r = e % per_row, h = r / p.n, i = r % p.n;
+        const int32_t j = p.indices[b * p.ix_stride_b + h * p.ix_stride_h + i];
+        if (j >= 0 && j < M && page_of(p, b, j) >= 0)
+            p.slot_map[b * p.map_stride_b + j] = -2;
+    }
+    __syncthreads();
+    /* 3. owners: the first claim in row-major order */
+    if (p.resident)
+        for (long long lin = t; lin < total; lin += PLAN_THREADS) {
+            const long long b = lin / M;
+            const int32_t j = (int32_t)(lin % M), r = p.resident[b * p.res_stride_b + j];
+            if (r >= 0 && r < S && page_of(p, b, j) >= 0)
+                atomicMin(&w.claim[r], (int32_t)lin);
+        }
+    __syncthreads();
+    /* 4. kept: a needed owner keeps its slot */
+    int kept = 0;
+    for (long long s = t; s < S; s += PLAN_THREADS) {
+        const int32_t o = w.claim[s];
+        if (o != INT_MAX) {
+            int32_t *m = map_at(p, o);
+            if (*m == -2) {
+                *m = (int32_t)s;
+                kept++;
+            }
+        }
+    }
+    kept = Reduce(tmp.reduce).Sum(kept);
+    __syncthreads();
+    /* 5. free slots in order: unowned ascending, then owned by a block not needed ascending */
+    int nfree = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (long long s0 = 0; s0 < S; s0 += PLAN_THREADS) {
+            const long long s = s0 + t;
+            int flag = 0;
+            if (s < S) {
+                const int32_t o = w.claim[s];
+                flag = pass == 0 ? o == INT_MAX : (o != INT_MAX && *map_at(p, o) == -1);
+            }
+            int rank, sum;
+            Scan(tmp.scan).ExclusiveSum(flag, rank, sum);
+            if (flag)
+                w.order[nfree + rank] = (int32_t)s;
+            nfree += sum;
+            __syncthreads();
+        }
+    /* 6. the needed blocks not kept take them in row-major order */
+    int moved = 0;
+    for (long long l0 = 0; l0 < total; l0 += PLAN_THREADS) {
+        const long long lin = l0 + t;
+        int flag = 0;
+        int32_t *m = nullptr;
+        if (lin < total) {
+            m = map_at(p, lin);
+            flag = *m == -2;
+        }
+        int rank, sum;
+        Scan(tmp.scan).ExclusiveSum(flag, rank, sum);
+        if (flag) {
+            const int32_t s = w.order[moved + rank]; /* moved + rank < nfree: S covers the needed blocks */
+            *m = s;
+            w.moves[2 * (moved + rank)] = page_of(p, lin / M, (int32_t)(lin % M));
+            w.moves[2 * (moved + rank) + 1] = s;
+        }
+        moved += sum;
+        __syncthreads();
+    }
+    /* 7. retained: owners not needed keep the slots nobody took */
+    for (long long f = moved + t; f < nfree; f += PLAN_THREADS) {
+        const int32_t o = w.claim[w.order[f]];
+        if (o != INT_MAX)
+            *map_at(p, o) = w.order[f];
+    }
+    if (t == 0) {
+        *w.n_moves = moved;
+        if (p.counts) {
+            p.counts[0] = moved;
+            p.counts[1] = (long long)moved + kept;
+        }
+    }
+}
+
+__device__ __forceinline__ uint4 load_nc(const uint4 *a)
+{
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
+    return v;
+}
+
+/* pieces of PIECE_CHUNKS 16-byte chunks: per move, the K page's pieces, then the V page's */
+__global__ void __launch_bounds__(GATHER_THREADS) gather_kernel(const gvr_prefetch_params p, const int32_t *moves,
+                                                                 const int32_t *n_moves)
+{
+    pdl_enter();
+    const long long chunks = p.page_bytes / 16;
+    const long long pieces_per_page = (chunks + PIECE_CHUNKS - 1) / PIECE_CHUNKS;
+    const long long pieces = 2LL * (*n_moves) * pieces_per_page;
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * (GATHER_THREADS / 32);
+    for (long long u = (long long)blockIdx.x * (GATHER_THREADS / 32) + (threadIdx.x >> 5); u < pieces; u += warps) {
+        const long long m = u / (2 * pieces_per_page), r = u % (2 * pieces_per_page);
+        const int kv = (int)(r / pieces_per_page);
+        const long long piece = r % pieces_per_page;
+        const int32_t src = moves[2 * m], dst = moves[2 * m + 1];
+        const uint4 *from = (const uint4 *)((const char *)(kv ? p.host_v : p.host_k) +
+                                            (long long)src * (kv ? p.host_stride_v : p.host_stride_k));
+        uint4 *to = (uint4 *)((char *)(kv ? p.dst_v : p.dst_k) + (long long)dst * (kv ? p.dst_stride_v : p.dst_stride_k));
+        const long long c0 = piece * PIECE_CHUNKS;
+        uint4 v[PER_LANE];
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            const long long c = c0 + i * 32 + lane;
+            if (c < chunks)
+                v[i] = load_nc(from + c);
+        }
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            const long long c = c0 + i * 32 + lane;
+            if (c < chunks)
+                to[c] = v[i];
+        }
+    }
+}
+
+/* one warp per token of a launch's chunk: skipped when a later token of the chunk names its slot (later
+ * tokens win; chunks are launched in order), else its Hkv rows of K and V are written, lanes over the
+ * row's 16-byte (or, when the row is not 16-byte aligned, element-size) pieces */
+template <typename W>
+__global__ void __launch_bounds__(256) store_kernel(const gvr_kv_store_params p, long long t0, long long t1)
+{
+    pdl_enter();
+    const long long t = t0 + (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (t >= t1)
+        return;
+    const long long slot = p.slots[t], cap = p.num_pages * p.P;
+    if (slot < 0 || slot >= cap)
+        return;
+    bool later = false;
+    for (long long u = t + 1 + lane; u < t1 && !later; u += 32)
+        later = p.slots[u] == slot;
+    if (__any_sync(0xffffffffu, later))
+        return;
+    const long long pg = slot / p.P, off = slot % p.P;
+    const int per_row = (int)((long long)p.D * p.elem_bytes / (long long)sizeof(W));
+    for (int h = 0; h < p.Hkv; h++) {
+        const W *ks = (const W *)((const char *)p.k + (t * p.k_stride_t + h * p.k_stride_h) * p.elem_bytes);
+        const W *vs = (const W *)((const char *)p.v + (t * p.v_stride_t + h * p.v_stride_h) * p.elem_bytes);
+        W *kd = (W *)((char *)p.dst_k + (pg * p.dk_stride_page + off * p.dk_stride_tok + h * p.dk_stride_head) *
+                                          p.elem_bytes);
+        W *vd = (W *)((char *)p.dst_v + (pg * p.dv_stride_page + off * p.dv_stride_tok + h * p.dv_stride_head) *
+                                          p.elem_bytes);
+        for (int c = lane; c < per_row; c += 32) {
+            kd[c] = ks[c];
+            vd[c] = vs[c];
+        }
+    }
+}
+
+int memcpy_method(const gvr_prefetch_params *p, cudaStream_t st)
+{
+    cudaError_t e;
+    if (p->plan_slot_map &&
+        (e = cudaMemcpyAsync(p->slot_map, p->plan_slot_map, (size_t)p->B * p->max_pages * 4, cudaMemcpyHostToDevice,
+                             st)) != cudaSuccess)
+        return set_error("gvr_sparda_prefetch: copying the slot map", e);
+    if (p->plan_counts && p->counts &&
+        (e = cudaMemcpyAsync(p->counts, p->plan_counts, 16, cudaMemcpyHostToDevice, st)) != cudaSuccess)
+        return set_error("gvr_sparda_prefetch: copying the counts", e);
+    if (p->n_moves == 0)
+        return 0;
+    /* runs of adjacent pages (host and staging both consecutive and pages back to back) */
+    std::vector<void *> dsts;
+    std::vector<const void *> srcs;
+    std::vector<size_t> sizes;
+    for (int kv = 0; kv < 2; kv++) {
+        const char *hb = (const char *)(kv ? p->host_v : p->host_k);
+        char *db = (char *)(kv ? p->dst_v : p->dst_k);
+        const int64_t hs = kv ? p->host_stride_v : p->host_stride_k, ds = kv ? p->dst_stride_v : p->dst_stride_k;
+        const bool joinable = hs == p->page_bytes && ds == p->page_bytes;
+        for (int32_t m = 0; m < p->n_moves;) {
+            int32_t e2 = m + 1;
+            while (joinable && e2 < p->n_moves && p->moves[2 * e2] == p->moves[2 * (e2 - 1)] + 1 &&
+                   p->moves[2 * e2 + 1] == p->moves[2 * (e2 - 1) + 1] + 1)
+                e2++;
+            srcs.push_back(hb + (int64_t)p->moves[2 * m] * hs);
+            dsts.push_back(db + (int64_t)p->moves[2 * m + 1] * ds);
+            sizes.push_back((size_t)p->page_bytes * (size_t)(e2 - m));
+            m = e2;
+        }
+    }
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.srcLocHint.type = cudaMemLocationTypeHost;
+    attr.dstLocHint.type = cudaMemLocationTypeDevice;
+    cudaGetDevice(&attr.dstLocHint.id);
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t idx = 0;
+    /* the batch API refuses the legacy default stream: one copy each there */
+    e = st == nullptr || st == cudaStreamLegacy
+            ? cudaErrorNotSupported
+            : cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr, &idx, 1, st);
+    if (e == cudaErrorNotSupported) {
+        cudaGetLastError();
+        for (size_t i = 0; i < sizes.size(); i++)
+            if ((e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, st)) != cudaSuccess)
+                break;
+    }
+    return e == cudaSuccess ? 0 : set_error("gvr_sparda_prefetch: cudaMemcpyBatchAsync", e);
+}
+
+} // namespace
+} // namespace gvr::sparda
+
+using namespace gvr::sparda;
+
+GVR_API size_t gvr_sparda_prefetch_workspace_size(const gvr_prefetch_params *p)
+{
+    return 2 * align256((size_t)p->S * 4) + align256((size_t)move_cap(p) * 8) + 256;
+}
+
+GVR_API int gvr_sparda_prefetch(const gvr_prefetch_params *p, void *workspace, size_t workspace_bytes, void *stream)
+{
+    const cudaStream_t st = (cudaStream_t)stream;
+    if (p->method == GVR_PREFETCH_MEMCPY)
+        return memcpy_method(p, st);
+    if (workspace_bytes < gvr_sparda_prefetch_workspace_size(p))
+        return gvr::set_message(1, "gvr_sparda_prefetch: workspace of %zu bytes, %zu needed", workspace_bytes,
+                                gvr_sparda_prefetch_workspace_size(p));
+    const Workspace w = carve(p, workspace);
+    cudaError_t e;
+    {
+        gvr::LaunchConfig lc(1, PLAN_THREADS, 0, 0, st);
+        if ((e = cudaLaunchKernelEx(&lc.cfg, plan_kernel, *p, w)) != cudaSuccess)
+            return gvr::set_error("gvr_sparda_prefetch: plan kernel", e);
+    }
+    const int ctas = p->max_ctas > 0 ? p->max_ctas : DEFAULT_CTAS;
+    gvr::LaunchConfig lc((unsigned)ctas, GATHER_THREADS, 0, 0, st);
+    if ((e = cudaLaunchKernelEx(&lc.cfg, gather_kernel, *p, (const int32_t *)w.moves, (const int32_t *)w.n_moves)) !=
+        cudaSuccess)
+        return gvr::set_error("gvr_sparda_prefetch: gather kernel", e);
+    return 0;
+}
+
+GVR_API int gvr_sparda_kv_store(const gvr_kv_store_params *p, void *stream)
+{
+    const cudaStream_t st = (cudaStream_t)stream;
+    const long long row = (long long)p->D * p->elem_bytes;
+    const bool wide = row % 16 == 0 && (uintptr_t)p->k % 16 == 0 && (uintptr_t)p->v % 16 == 0 &&
+                      (uintptr_t)p->dst_k % 16 == 0 && (uintptr_t)p->dst_v % 16 == 0 &&
+                      (p->k_stride_t * p->elem_bytes) % 16 == 0 && (p->k_stride_h * p->elem_bytes) % 16 == 0 &&
+                      (p->v_stride_t * p->elem_bytes) % 16 == 0 && (p->v_stride_h * p->elem_bytes) % 16 == 0 &&
+                      (p->dk_stride_page * p->elem_bytes) % 16 == 0 && (p->dk_stride_tok * p->elem_bytes) % 16 == 0 &&
+                      (p->dk_stride_head * p->elem_bytes) % 16 == 0 && (p->dv_stride_page * p->elem_bytes) % 16 == 0 &&
+                      (p->dv_stride_tok * p->elem_bytes) % 16 == 0 && (p->dv_stride_head * p->elem_bytes) % 16 == 0;
+    for (long long t0 = 0; t0 < p->T; t0 += STORE_CHUNK_TOKENS) {
+        const long long t1 = t0 + STORE_CHUNK_TOKENS < p->T ? t0 + STORE_CHUNK_TOKENS : p->T;
+        gvr::LaunchConfig lc((unsigned)((t1 - t0 + 7) / 8), 256, 0, 0, st);
+        cudaError_t e;
+        if (wide)
+            e = cudaLaunchKernelEx(&lc.cfg, store_kernel<uint4>, *p, t0, t1);
+        else if (p->elem_bytes == 4)
+            e = cudaLaunchKernelEx(&lc.cfg, store_kernel<uint32_t>, *p, t0, t1);
+        else if (p->elem_bytes == 2)
+            e = cudaLaunchKernelEx(&lc.cfg, store_kernel<uint16_t>, *p, t0, t1);
+        else
+            e = cudaLaunchKernelEx(&lc.cfg, store_kernel<uint8_t>, *p, t0, t1);
+        if (e != cudaSuccess)
+            return gvr::set_error("gvr_sparda_kv_store", e);
+    }
+    return 0;
+}
+
+GVR_API int gvr_cuda_host_alloc(size_t bytes, void **ptr)
+{
+    const cudaError_t e = cudaHostAlloc(ptr, bytes ? bytes : 1, cudaHostAllocPortable | cudaHostAllocMapped);
+    return e == cudaSuccess ? 0 : gvr::set_error("cudaHostAlloc (pinned, mapped)", e);
+}
+
+GVR_API int gvr_cuda_host_free(void *ptr)
+{
+    const cudaError_t e = cudaFreeHost(ptr);
+    return e == cudaSuccess ? 0 : gvr::set_error("cudaFreeHost", e);
+}
+
+GVR_API int gvr_cuda_host_device_pointer(const void *ptr, size_t bytes, void **device_ptr)
+{
+    cudaPointerAttributes a0, a1;
+    cudaError_t e = cudaPointerGetAttributes(&a0, ptr);
+    if (e != cudaSuccess)
+        return gvr::set_error("cudaPointerGetAttributes", e);
+    if (a0.type != cudaMemoryTypeHost || !a0.devicePointer)
+        return gvr::set_message(2, "%s", a0.type == cudaMemoryTypeDevice ? "device memory"
+                                         : a0.type == cudaMemoryTypeManaged ? "managed memory"
+                                         : a0.type == cudaMemoryTypeHost ? "pinned host memory that is not mapped"
+                                                                          : "pageable host memory (not pinned)");
+    const char *last = (const char *)ptr + (bytes ? bytes - 1 : 0);
+    if ((e = cudaPointerGetAttributes(&a1, last)) != cudaSuccess)
+        return gvr::set_error("cudaPointerGetAttributes", e);
+    if (a1.type != cudaMemoryTypeHost || (const char *)a1.devicePointer - (const char *)a0.devicePointer !=
+                                             last - (const char *)ptr)
+        return gvr::set_message(2, "%s", "host memory whose range is not one pinned, mapped allocation");
+    *device_ptr = a0.devicePointer;
+    return 0;
+}
