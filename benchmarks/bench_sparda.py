@@ -10,10 +10,16 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
   matmul    the slowdown of a concurrent bf16 matmul (8192^3) while each method gathers 512 64-token
             blocks in a loop on a second stream
   resident  bytes moved with 60% of the selected blocks resident (resident= the previous slot map)
+  prefetcher  (--prefetcher-only; the Prefetcher is gated until its GPU tests pass) the persistent
+            gvr.sparda.Prefetcher (16 CTAs, started once) against the stream-ordered prefetch, eager,
+            64-token blocks: submit + wait vs prefetch, timed with events (nothing allocated and no
+            device-wide synchronization while it runs)
   pipeline  a 4-layer decode at 128K tokens (B 1, Hq 32, Hkv 8, D 128, P 64): per layer, forecast_select of
             the next layer's 32 blocks, their prefetch, sparse_attention over the staged blocks + a matmul
-            standing in for the FFN; synchronous (one stream) vs asynchronous (prefetch on its own stream,
-            one layer ahead): fraction of the transfer time hidden = (sync - async) / transfer
+            standing in for the FFN; synchronous (one stream) vs asynchronous (at the start of layer l,
+            select(l + 1) on the main stream and its prefetch on a second stream): fraction of the transfer
+            time hidden = (sync - async) / transfer, transfer = select + prefetch alone; also the variant
+            with select on the second stream
 Every gather is checked byte for byte against the host pages. Usage: python benchmarks/bench_sparda.py
 [--json PATH] [--quick]
 """
@@ -31,6 +37,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer block counts, no pipeline")
+    ap.add_argument("--prefetcher-only", action="store_true",
+                    help="only the persistent Prefetcher against the stream-ordered prefetch (it is gated: "
+                         "GVR_UNVERIFIED_CUDA=1)")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import gvr.sparda  # noqa: F401
@@ -39,6 +48,11 @@ def main():
     meta = H.header(torch, ROOT, cuda=True)
     print(H.header_line(meta))
     dev = torch.device("cuda")
+    if args.prefetcher_only:
+        r = {"header": meta, "prefetcher": persistent(gvr, torch)}
+        if args.json:
+            H.write_json(args.json, r)
+        return
     result = {"header": meta, "gather": [], "matmul": [], "resident": [], "pipeline": {}}
     bf = torch.bfloat16
     Hkv, D = 8, 128
@@ -251,8 +265,12 @@ def pipeline(gvr, torch, timer):
             attend(l)
 
     ev = [torch.cuda.Event() for _ in range(L)]
+    started = [torch.cuda.Event() for _ in range(L)]
 
     def step_async():
+        # one layer ahead: at the start of layer l the main stream runs select(l + 1) (the Forecast of layer
+        # l + 1 reads layer l's input), the side stream prefetches its blocks while layer l computes, and
+        # layer l + 1 waits for them
         step_box[0] += 1
         main = torch.cuda.current_stream()
         select(0)
@@ -265,6 +283,27 @@ def pipeline(gvr, torch, timer):
                 select(l + 1)
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
+                    fetch(l + 1, side)
+                ev[l + 1].record(side)
+            main.wait_event(ev[l])
+            attend(l)
+        main.wait_stream(side)
+
+    def step_async_side_select():
+        # the same with select(l + 1) on the side stream too, started when layer l starts
+        step_box[0] += 1
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            select(0)
+            fetch(0, side)
+        ev[0].record(side)
+        for l in range(L):
+            started[l].record(main)
+            if l + 1 < L:
+                side.wait_event(started[l])
+                with torch.cuda.stream(side):
+                    select(l + 1)
                     fetch(l + 1, side)
                 ev[l + 1].record(side)
             main.wait_event(ev[l])
@@ -302,15 +341,72 @@ def pipeline(gvr, torch, timer):
         r[name] = timer.graph(fn, 2, 10)["median_us"]
     hidden = (r["sync"] - r["async"]) / r["transfer"] if r["transfer"] > 0 else None
     r["hidden_fraction"] = hidden
+    r["async_side_select"] = timer.graph(step_async_side_select, 2, 10)["median_us"]
     r["mean_blocks_moved_per_layer"] = sum(moved) / len(moved)
     r["blocks_per_layer"] = k
     print(f"pipeline 128K x {L} layers, CUDA graphs, per step (B 1, {k} blocks of {P} tokens per layer, "
           f"{r['mean_blocks_moved_per_layer']:.1f} moved per layer with resident=): sync {r['sync']:.0f} us, async {r['async']:.0f} us, transfer alone "
-          f"{r['transfer']:.0f} us, compute alone {r['compute']:.0f} us -> hidden {100 * hidden:.0f}% of the transfer",
-          flush=True)
+          f"{r['transfer']:.0f} us, compute alone {r['compute']:.0f} us -> hidden {100 * hidden:.0f}% of the transfer; "
+          f"with select on the side stream too: async {r['async_side_select']:.0f} us", flush=True)
     del stage, W
     cache.close()
     return r
+
+
+def persistent(gvr, torch):
+    """the persistent prefetcher vs the stream-ordered prefetch (eager calls, CUDA events on this stream)"""
+    P, Hkv, D, pages = 64, 8, 128, 2048
+    bf = torch.bfloat16
+    dev = torch.device("cuda")
+    cache = gvr.sparda.HostKVCache(1, pages, P, Hkv, D, bf, device="cuda")
+    hk, hv = cache.k(0), cache.v(0)
+    hk.copy_(torch.randn(hk.shape, device=dev, dtype=bf))
+    hv.copy_(torch.randn(hv.shape, device=dev, dtype=bf))
+    out = []
+    main = torch.cuda.current_stream()
+
+    def events(fn, reps=18, evs=None):
+        for _ in range(3):
+            fn()
+        main.synchronize()
+        evs = evs or [torch.cuda.Event(enable_timing=True) for _ in range(2 * reps)]
+        ts = []
+        for i in range(reps):
+            a, b = evs[2 * i], evs[2 * i + 1]
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return H.median(ts)
+
+    for n in (8, 32, 128):
+        ix = torch.randperm(pages)[:n].int().view(1, 1, n).to(dev)
+        dk = torch.empty((n, P, Hkv, D), dtype=bf, device=dev)
+        dv = torch.empty_like(dk)
+        sm = torch.empty((1, pages), dtype=torch.int32, device=dev)
+        t_stream = events(lambda: gvr.sparda.prefetch(hk, hv, ix, dk, dv, slot_map_out=sm))
+        a_ev = [torch.cuda.Event(enable_timing=True) for _ in range(40)]  # no allocation once it runs
+        torch.cuda.synchronize()
+        pf = gvr.sparda.Prefetcher(staging_pages=n, batch=1, max_pages=pages, entries=n, ctas=16, depth=8)
+        try:
+            def via_pf():
+                _, tk = pf.submit(hk, hv, ix, dk, dv, slot_map_out=sm)
+                pf.wait(tk)
+            t_pf = events(via_pf, 18, a_ev)
+            main.synchronize()
+            pf.check()
+        finally:
+            pf.close()
+        ok = bool(torch.equal(dk[sm[0, ix[0, 0].long()].long()].cpu(), hk[ix[0, 0].long().cpu()]))
+        nbytes = 2 * n * P * Hkv * D * 2
+        out.append({"blocks": n, "bytes": nbytes, "stream_ordered_us": t_stream, "prefetcher_us": t_pf, "ok": ok})
+        print(f"prefetcher: {n} blocks of {P} tokens ({nbytes / 2**20:.0f} MiB): stream-ordered prefetch {t_stream:.1f} us "
+              f"({nbytes / t_stream / 1e3:.1f} GB/s), persistent submit + wait {t_pf:.1f} us ({nbytes / t_pf / 1e3:.1f} GB/s)"
+              f"{'' if ok else ' MISMATCH'}", flush=True)
+    del hk, hv
+    cache.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -242,6 +242,26 @@ static int overlaps(const gvr_view *x, const gvr_view *y)
 
 /* ---- prefetch --------------------------------------------------------------------------------- */
 
+/* The CUDA library with device `dev` made current (*prev: the device end_on restores), or NULL with an
+ * exception set. */
+static const gvr_cuda_api *begin_on(int dev, int *prev)
+{
+    const gvr_cuda_api *cu = gvr_cuda();
+    *prev = -1;
+    if (cu && cu->set_device(dev, prev)) {
+        gvr_cuda_raise("selecting the CUDA device");
+        return NULL;
+    }
+    return cu;
+}
+
+static void end_on(const gvr_cuda_api *cu, int dev, int prev)
+{
+    if (prev >= 0 && prev != dev)
+        cu->set_device(prev, NULL);
+}
+
+
 enum { HK, HV, H_NARGS };
 static const gvr_arg_spec host_args[H_NARGS] = {
     [HK] = {"host_k", CACHE_DT, "num_pages,P,Hkv,D", GVR_HOST | GVR_PINNED, GVR_UNIT_LAST, NULL, NULL},
@@ -315,19 +335,24 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
     static char *kwlist[] = {"host_k", "host_v", "indices", "block_table", "resident", "dst_k", "dst_v", "slot_map_out",
-                             "counts", "workspace", "method", "max_ctas", "stream", "nosync", NULL};
+                             "counts", "workspace", "method", "max_ctas", "stream", "nosync", "prefetcher", "ticket",
+                             NULL};
     PyObject *hobj[H_NARGS] = {Py_None, Py_None}, *sobj[S_NARGS] = {Py_None, Py_None, Py_None},
              *dobj[D_NARGS] = {Py_None, Py_None, Py_None, Py_None, Py_None};
-    PyObject *o_stream = Py_None, *o_nosync = NULL, *result = NULL;
+    PyObject *o_stream = Py_None, *o_nosync = NULL, *result = NULL, *o_pf = Py_None;
     int method = 0, max_ctas = 0;
+    unsigned long long ticket_addr = 0;
     int32_t *plan_map = NULL, *moves = NULL;
     gvr_intake hin, sin, din;
     gvr_intake_init(&hin);
     gvr_intake_init(&sin);
     gvr_intake_init(&din);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOO|iiOO:sparda_prefetch", kwlist, &hobj[HK], &hobj[HV],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOO|iiOOOK:sparda_prefetch", kwlist, &hobj[HK], &hobj[HV],
                                      &sobj[SIX], &sobj[SBT], &sobj[SRES], &dobj[DK], &dobj[DV], &dobj[DMAP], &dobj[DCNT],
-                                     &dobj[DWS], &method, &max_ctas, &o_stream, &o_nosync))
+                                     &dobj[DWS], &method, &max_ctas, &o_stream, &o_nosync, &o_pf, &ticket_addr))
+        return NULL;
+    void *pf = NULL;
+    if (o_pf != Py_None && !(pf = PyCapsule_GetPointer(o_pf, "gvr.prefetcher")))
         return NULL;
     unsigned nosync;
     intptr_t stream;
@@ -465,7 +490,24 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
                             "'host_v', 'dst_k', 'dst_v' must start on 16-byte boundaries and hold a multiple of 16 bytes");
             goto fail;
         }
-        if (p.method == GVR_PREFETCH_KERNEL) {
+        if (pf) {
+            if (p.method != GVR_PREFETCH_KERNEL || !ticket_addr) {
+                PyErr_SetString(PyExc_ValueError, "a Prefetcher takes device selections ('indices', 'block_table', "
+                                "'resident' CUDA arrays) and a ticket");
+                goto fail;
+            }
+            int prev_dev, rc;
+            if (!begin_on(din.device_id, &prev_dev))
+                goto fail;
+            Py_BEGIN_ALLOW_THREADS
+            rc = cu->prefetcher_submit(pf, &p, (int64_t *)(uintptr_t)ticket_addr, (void *)stream);
+            Py_END_ALLOW_THREADS
+            end_on(cu, din.device_id, prev_dev);
+            if (rc) {
+                gvr_cuda_raise("gvr_prefetcher_submit");
+                goto fail;
+            }
+        } else if (p.method == GVR_PREFETCH_KERNEL) {
             const size_t wneed = cu->sparda_prefetch_workspace_size(&p);
             const size_t have = ws->data ? (size_t)ws->shape[0] : 0;
             if (have < wneed) {
@@ -667,4 +709,104 @@ fail:
     gvr_intake_release(&src);
     gvr_intake_release(&dst);
     return result;
+}
+
+/* ---- the persistent prefetcher: create / wait / status / close (gvr.sparda.Prefetcher) --------------- */
+
+static void *pf_of(PyObject *cap) { return PyCapsule_GetPointer(cap, "gvr.prefetcher"); }
+
+/* prefetcher_create(device, ctas, depth, timeout_ns, slot_workspace_ptr, slot_ws_bytes) -> capsule */
+PyObject *gvr_py_prefetcher_create(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int dev, ctas, depth;
+    long long timeout_ns;
+    unsigned long long ws;
+    Py_ssize_t ws_bytes;
+    if (!PyArg_ParseTuple(args, "iiiLKn:prefetcher_create", &dev, &ctas, &depth, &timeout_ns, &ws, &ws_bytes))
+        return NULL;
+    if (ctas < 1 || depth < 1 || timeout_ns < 1 || ws_bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "prefetcher: ctas, depth and timeout must be >= 1, got %d, %d, %lld", ctas, depth,
+                     timeout_ns);
+        return NULL;
+    }
+    int prev;
+    const gvr_cuda_api *cu = begin_on(dev, &prev);
+    if (!cu)
+        return NULL;
+    gvr_prefetcher_config c = {ctas, depth, timeout_ns, (void *)(uintptr_t)ws, (size_t)ws_bytes};
+    void *h = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cu->prefetcher_create(&c, &h);
+    Py_END_ALLOW_THREADS
+    end_on(cu, dev, prev);
+    if (rc)
+        return gvr_cuda_raise("gvr_prefetcher_create");
+    return PyCapsule_New(h, "gvr.prefetcher", NULL);
+}
+
+/* prefetcher_wait(capsule, device, ticket_ptr, stream) */
+PyObject *gvr_py_prefetcher_wait(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap, *o_stream;
+    int dev;
+    unsigned long long ticket;
+    intptr_t stream;
+    if (!PyArg_ParseTuple(args, "OiKO:prefetcher_wait", &cap, &dev, &ticket, &o_stream))
+        return NULL;
+    void *h = pf_of(cap);
+    if (!h || gvr_parse_stream(o_stream, &stream) < 0)
+        return NULL;
+    int prev;
+    const gvr_cuda_api *cu = begin_on(dev, &prev);
+    if (!cu)
+        return NULL;
+    const int rc = cu->prefetcher_wait(h, (const int64_t *)(uintptr_t)ticket, (void *)stream);
+    end_on(cu, dev, prev);
+    if (rc)
+        return gvr_cuda_raise("gvr_prefetcher_wait");
+    Py_RETURN_NONE;
+}
+
+/* prefetcher_status(capsule) -> (error, running) */
+PyObject *gvr_py_prefetcher_status(PyObject *self, PyObject *cap)
+{
+    (void)self;
+    void *h = pf_of(cap);
+    if (!h)
+        return NULL;
+    const gvr_cuda_api *cu = gvr_cuda();
+    if (!cu)
+        return NULL;
+    int32_t err = 0, running = 0;
+    int64_t done = 0;
+    cu->prefetcher_status(h, &err, &done, &running);
+    return Py_BuildValue("(ii)", (int)err, (int)running);
+}
+
+/* prefetcher_close(capsule, device, timeout_ms) */
+PyObject *gvr_py_prefetcher_close(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap;
+    int dev;
+    long long timeout_ms;
+    if (!PyArg_ParseTuple(args, "OiL:prefetcher_close", &cap, &dev, &timeout_ms))
+        return NULL;
+    void *h = pf_of(cap);
+    if (!h)
+        return NULL;
+    int prev, rc;
+    const gvr_cuda_api *cu = begin_on(dev, &prev);
+    if (!cu)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cu->prefetcher_close(h, timeout_ms);
+    Py_END_ALLOW_THREADS
+    end_on(cu, dev, prev);
+    if (rc)
+        return gvr_cuda_raise("gvr_prefetcher_close");
+    Py_RETURN_NONE;
 }

@@ -4,17 +4,19 @@ and prefetch of the selected KV blocks from pinned host memory.
 Built so far: the Forecast's training objective, ``forecast_kl_loss`` (section 4.4; PyTorch only, as
 training is), the Forecast indexer's selection, ``forecast_select`` (section 4.3), and the compressed
 keys it scores, ``compressed_keys`` / ``update_compressed_keys`` (eq. 5); the KV cache in pinned host
-memory, ``HostKVCache``, and ``prefetch`` of the selected blocks into a GPU staging cache.
+memory, ``HostKVCache``, ``prefetch`` of the selected blocks into a GPU staging cache, and the persistent
+``Prefetcher`` (built, gated until its GPU tests pass).
 """
 from __future__ import annotations
 
 import sys
 
 from . import _C
-from ._interop import _host_view, compiling, define_op, framework, prepare
+from ._interop import _host_view, compiling, define_op, framework, prepare, stream_handle
 from .attention import _capturing, _check_traced_stream, _new, _stream_for, _zeros
 
-__all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys", "HostKVCache", "prefetch"]
+__all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys", "HostKVCache", "prefetch",
+           "Prefetcher"]
 
 
 def _torch():
@@ -445,7 +447,7 @@ def _prefetch_workspace(like, fw, stream, S, indices, block_table, host_k):
 
 
 def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream, method,
-                  max_ctas):
+                  max_ctas, prefetcher=None, ticket=None):
     if not isinstance(method, str) or method not in _METHODS:
         raise ValueError(f"'method' must be 'auto', 'kernel' or 'memcpy', got {method!r}")
     if max_ctas is not None:
@@ -461,12 +463,12 @@ def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, 
     if fw in ("torch", "cupy") and is_cuda(dst_k, fw):
         stream = _stream_for(dst_k, fw, stream)
         on_device = framework(indices) in ("torch", "cupy") and is_cuda(indices, framework(indices))
-        if method != "memcpy" and on_device and ds is not None and len(ds) == 4:
+        if method != "memcpy" and on_device and ds is not None and len(ds) == 4 and prefetcher is None:
             ws = _prefetch_workspace(dst_k, fw, stream, int(ds[0]), indices, block_table, host_k)
     arrays = (host_k, host_v, indices, block_table, resident, dst_k, dst_v, slot_map_out, counts, ws)
     (hk, hv, ix, bt, rs, dk, dv, sm, ct, aws), stream, nosync = prepare(fw, dst_k, arrays, stream)
     r = _C.sparda_prefetch(_host_side(hk), _host_side(hv), ix, bt, rs, dk, dv, sm, ct, aws, _METHODS[method],
-                           max_ctas or 0, stream, nosync)
+                           max_ctas or 0, stream, nosync, prefetcher, 0 if ticket is None else ticket.data_ptr())
     return r if slot_map_out is None else slot_map_out
 
 
@@ -532,3 +534,147 @@ def prefetch(host_k, host_v, indices, dst_k, dst_v, *, block_table=None, residen
         return _prefetch_op.call(host_k, host_v, indices, dst_k, dst_v, block_table, resident, max_ctas)
     return _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream,
                          method, max_ctas)
+
+
+class Prefetcher:
+    """SparDA's persistent prefetcher (paper 004): ``ctas`` CTAs of the gather kernel started once on a CUDA
+    stream of their own, fed through a device-side queue of ``depth`` requests. ``submit`` runs the slot
+    policy of :func:`prefetch` (one CTA on the caller's stream: no allocation, no host sync, graph-safe)
+    and queues the moves; ``wait`` makes a stream wait for a request (a one-thread kernel). Requests land
+    in submission order. Same arguments and result as ``prefetch(..., method="kernel")``, plus a ticket.
+
+    Sized at creation for the calls it will take: ``staging_pages`` (S of the largest staging cache),
+    ``batch`` (B), ``max_pages`` and ``entries`` (Hsel * n per row) -- a larger call is refused.
+    Watchdog: a submit that finds no free queue slot, or a wait whose request does not complete, within
+    ``timeout_s`` gives up and sets the error that :meth:`check` (and every later call) raises.
+
+    **While it runs, anything that synchronizes the device waits for it, and may deadlock**: a
+    device-wide synchronization (``torch.cuda.synchronize()``, ``torch.cuda.graph``'s capture), the
+    implicit synchronization of a device or pinned-memory allocation or release (``cudaMalloc`` by
+    torch's caching allocator when it grows, ``cudaFree``, ``cudaHostAlloc``), and CUDA's lazy loading of a
+    kernel at its first launch (run every kernel of the step once before starting it, or set
+    ``CUDA_MODULE_LOADING=EAGER``; its own submit and wait kernels are loaded at creation): commands issued
+    after one wait for the persistent kernel, which waits for them. Allocate everything first (``slot_map_out`` is
+    required; tickets come from a ring allocated here, each valid for ``4 * depth`` submits), synchronize
+    on streams or events, and ``close()`` it first (a context manager; closed at interpreter exit too).
+
+    **Not verified on a GPU yet** (its first GPU run hung at the first submit -- most likely the lazy
+    loading of the submit kernel, or an allocation in the test; this version, with both removed, has not
+    run): CUDA use raises NotImplementedError unless
+    ``GVR_UNVERIFIED_CUDA=1``. The stream-ordered :func:`prefetch` is the default and is verified.
+    """
+
+    def __init__(self, device=None, *, staging_pages, batch, max_pages, entries, ctas=16, depth=8, timeout_s=1.0):
+        import os
+        self._h = None
+        t = _torch()
+        for name, v, lo in (("staging_pages", staging_pages, 1), ("batch", batch, 1), ("max_pages", max_pages, 1),
+                            ("entries", entries, 1), ("ctas", ctas, 1), ("depth", depth, 1)):
+            _check_int(name, v, lo)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"'timeout_s' must be a number > 0, got {timeout_s!r}")
+        if os.environ.get("GVR_UNVERIFIED_CUDA") != "1":
+            raise NotImplementedError(
+                "gvr.sparda.Prefetcher is built but not yet verified on a GPU (its GPU tests are owed): use "
+                "gvr.sparda.prefetch, or set GVR_UNVERIFIED_CUDA=1 to run it anyway")
+        self.device = t.device("cuda", t.cuda.current_device()) if device is None else t.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"'device' must be a CUDA device, got {device!r}")
+        dev = self.device.index if self.device.index is not None else t.cuda.current_device()
+        self._dev = dev
+        need = _C.prefetch_workspace_size(dev, staging_pages, batch, 1, entries, max_pages)
+        self._slot_bytes = (need + 255) // 256 * 256
+        self._ws = t.zeros(depth * self._slot_bytes, dtype=t.uint8, device=self.device)
+        self._tickets = t.zeros(4 * depth, dtype=t.int64, device=self.device)  # no allocation per submit
+        self._next = 0
+        t.cuda.synchronize(self.device)  # the buffers are written before the kernel starts
+        self._h = _C.prefetcher_create(dev, ctas, depth, int(timeout_s * 1e9), self._ws.data_ptr(), self._slot_bytes)
+        self.ctas, self.depth, self.timeout_s = ctas, depth, timeout_s
+        self._streams = {}
+        import atexit
+        import weakref
+        ref = weakref.ref(self)
+        self._atexit = lambda: ref() is not None and ref().close()
+        atexit.register(self._atexit)
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    def _live(self):
+        if self._h is None:
+            raise ValueError("this Prefetcher is closed")
+        self.check()
+
+    def check(self):
+        """Raise RuntimeError when the watchdog fired (a request not completed, or no free queue slot, within
+        timeout_s)."""
+        if self._h is None:
+            return
+        err, _ = _C.prefetcher_status(self._h)
+        if err:
+            what = {1: "a submit found no free queue slot", 2: "a request did not complete"}.get(err, f"error {err}")
+            raise RuntimeError(f"gvr.sparda.Prefetcher: {what} within {self.timeout_s} s (watchdog); the staged data "
+                               "are not valid. close() it and start a new one")
+
+    def submit(self, host_k, host_v, indices, dst_k, dst_v, *, slot_map_out, block_table=None, resident=None,
+               counts=None, stream=None):
+        """Queue a prefetch -> ``(slot_map_out, ticket)``. Arguments as :func:`prefetch` (CUDA selections;
+        ``slot_map_out`` given: nothing is allocated while the prefetcher runs). The slot map is written on
+        ``stream`` at once; the blocks arrive later: ``wait(ticket)`` before reading them."""
+        self._live()
+        if slot_map_out is None:
+            raise TypeError("Prefetcher.submit: 'slot_map_out' must be given (no allocation while the prefetcher runs)")
+        ticket = self._tickets[self._next % self._tickets.shape[0]:][:1]
+        self._next += 1
+        fw = framework(dst_k)
+        st = _stream_for(dst_k, fw, stream)
+        self._streams[st] = True
+        m = _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, st,
+                          "kernel", None, self._h, ticket)
+        return m, ticket
+
+    def wait(self, ticket, stream=None):
+        """Make ``stream`` (default: the current one) wait until the request of ``ticket`` has landed. The
+        ticket must have been written before (submitted on this stream, or ordered by an event)."""
+        self._live()
+        t = _torch()
+        if not isinstance(ticket, t.Tensor) or ticket.dtype != t.int64 or not ticket.is_cuda or ticket.numel() != 1:
+            raise TypeError("'ticket' must be the int64 CUDA tensor that submit() returned")
+        if ticket.device != self.device:
+            raise ValueError(f"'ticket' is on {ticket.device}, the prefetcher on {self.device}")
+        st = stream_handle(stream)
+        if st is None:
+            st = t.cuda.current_stream(self.device).cuda_stream
+        self._streams[st] = True
+        _C.prefetcher_wait(self._h, self._dev, ticket.data_ptr(), st)
+
+    def close(self, timeout_s=5.0):
+        """Drain the queue, stop the kernel and free its memory (abort after ``timeout_s``); waits for the
+        streams that submitted or waited first (their events, not the device). Closing twice does nothing."""
+        if getattr(self, "_h", None) is None:
+            return
+        t = _torch()
+        for st in list(self._streams):
+            ev = t.cuda.Event()
+            ev.record(t.cuda.default_stream(self.device) if st == 0 else t.cuda.ExternalStream(st, device=self.device))
+            ev.synchronize()
+        h, self._h = self._h, None
+        try:
+            _C.prefetcher_close(h, self._dev, int(timeout_s * 1000))
+        finally:
+            import atexit
+            atexit.unregister(self._atexit)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

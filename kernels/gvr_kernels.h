@@ -528,6 +528,31 @@ typedef struct {
 
 int gvr_sparda_kv_store(const gvr_kv_store_params *p, void *stream);
 
+/* The persistent prefetcher (SparDA's variant): `ctas` CTAs of a gather kernel started once on a stream
+ * of its own, fed through a device-side queue of `depth` requests. gvr_prefetcher_submit runs the slot
+ * policy of gvr_sparda_prefetch (method KERNEL) as one CTA on the caller's stream, in the workspace of
+ * its queue slot, and publishes the request; *ticket (device int64) receives its sequence number.
+ * gvr_prefetcher_wait makes a stream wait (a one-thread kernel) until the request *ticket names is
+ * complete -- order it after the submit (same stream, or an event). A submit waits for a free slot and
+ * a wait for its request at most timeout_ns: then it gives up and the prefetcher's error is set
+ * (1: no free slot, 2: a request not completed); the data are then not there. While the prefetcher
+ * runs, a device-wide synchronization (cudaDeviceSynchronize, torch.cuda.synchronize, cudaFree) waits
+ * for it: close it first. close: stops the kernel once the queue is drained (abort after timeout_ms),
+ * frees everything; nonzero when the kernel did not stop (its memory then stays allocated). */
+typedef struct {
+    int32_t ctas, depth;
+    int64_t timeout_ns;
+    void *slot_workspace; /* device memory: depth slots of slot_ws_bytes each (gvr_sparda_prefetch_workspace_size) */
+    size_t slot_ws_bytes;
+} gvr_prefetcher_config;
+
+int gvr_prefetcher_create(const gvr_prefetcher_config *c, void **handle);
+int gvr_prefetcher_submit(void *handle, const gvr_prefetch_params *p, int64_t *ticket, void *stream);
+int gvr_prefetcher_wait(void *handle, const int64_t *ticket, void *stream);
+/* host reads of the prefetcher's state: error code (0 none), requests completed, and whether it runs */
+int gvr_prefetcher_status(void *handle, int32_t *error, int64_t *completed, int32_t *running);
+int gvr_prefetcher_close(void *handle, int64_t timeout_ms);
+
 /* Pinned, device-mapped, portable host memory (cudaHostAlloc) and its release; the device pointer of
  * [ptr, ptr + bytes) when it lies in one pinned, mapped allocation (an error naming what it is
  * otherwise). */
@@ -566,6 +591,11 @@ int gvr_cuda_host_device_pointer(const void *ptr, size_t bytes, void **device_pt
     X(size_t, sparda_prefetch_workspace_size, gvr_sparda_prefetch_workspace_size, (const gvr_prefetch_params *)) \
     X(int, sparda_prefetch, gvr_sparda_prefetch, (const gvr_prefetch_params *, void *, size_t, void *)) \
     X(int, sparda_kv_store, gvr_sparda_kv_store, (const gvr_kv_store_params *, void *))                \
+    X(int, prefetcher_create, gvr_prefetcher_create, (const gvr_prefetcher_config *, void **))          \
+    X(int, prefetcher_submit, gvr_prefetcher_submit, (void *, const gvr_prefetch_params *, int64_t *, void *)) \
+    X(int, prefetcher_wait, gvr_prefetcher_wait, (void *, const int64_t *, void *))                  \
+    X(int, prefetcher_status, gvr_prefetcher_status, (void *, int32_t *, int64_t *, int32_t *))      \
+    X(int, prefetcher_close, gvr_prefetcher_close, (void *, int64_t))                                 \
     X(int, host_alloc, gvr_cuda_host_alloc, (size_t, void **))                                        \
     X(int, host_free, gvr_cuda_host_free, (void *))                                                   \
     X(int, host_device_pointer, gvr_cuda_host_device_pointer, (const void *, size_t, void **))

@@ -16,6 +16,7 @@
 #   topkpt   topk_decode's page-table transform: GPU tests, top-k sanitizer cases, benchmarks/bench_page_table.py
 #   sparda   issue 14's pieces (compressed keys, forecast_select, prefetch, host cache): GPU tests, sanitizer
 #   spardabench  benchmarks/bench_sparda.py -> $OUT/results_sparda_cuda.json, bench_sparda.log
+#   prefetcher  the persistent gvr.sparda.Prefetcher's GPU tests and timing (gated until they pass; short timeouts)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
@@ -139,6 +140,14 @@ sparda() {  # issue 14's pieces: their GPU tests, sanitizer (compressed keys are
   sanitize sparda
 }
 
+prefetcher() {  # the persistent Prefetcher (gated until this passes): its GPU tests alone, short timeouts (a
+  # persistent kernel that never stops hangs the process: timeout kills it), then its benchmark section
+  say "GPU tests (Prefetcher)"
+  (cd tests && GVR_UNVERIFIED_CUDA=1 timeout 90 $PY -m pytest -q -p no:cacheprovider -m gpu -x -rs test_sparda_prefetcher.py) 2>&1 | tee "$OUT/pytest_prefetcher_gpu.log" | tail -15
+  say "bench_sparda --prefetcher-only"
+  (cd /tmp && GVR_UNVERIFIED_CUDA=1 timeout 90 $PY "$ROOT/benchmarks/bench_sparda.py" --prefetcher-only) 2>&1 | tail -6
+}
+
 spardabench() {  # benchmarks/bench_sparda.py: gathers per method, matmul slowdown, resident bytes, the layer pipeline
   say "bench_sparda"
   (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_sparda.py" --json "$OUT/results_sparda_cuda.json") 2>&1 | tee "$OUT/bench_sparda.log" | tail -40
@@ -178,6 +187,7 @@ for mode in "${@:-check}"; do
     topkpt) topkpt ;;
     sparda) sparda ;;
     spardabench) spardabench ;;
+    prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;

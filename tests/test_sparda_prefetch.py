@@ -1050,3 +1050,50 @@ def test_cuda_graph_select_prefetch_attend(gpu):
         g_bf["res"].copy_(g_bf["sm"])
     del hk, hv, hk_dev, hv_dev
     gc.collect()
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library: the op's fake implementation and a compiled step (CPU)
+# --------------------------------------------------------------------------------------------------
+def _torch_case():
+    g = torch.Generator().manual_seed(3)
+    hk = torch.randn(12, 16, 2, 32, generator=g).to(torch.bfloat16)
+    hv = torch.randn(12, 16, 2, 32, generator=g).to(torch.bfloat16)
+    ix = torch.tensor([[[3, 7, -1, 3]], [[0, 11, 5, 2]]], dtype=torch.int32)
+    bt = torch.stack([torch.randperm(12, generator=g)[:6] for _ in range(2)]).int()
+    return hk, hv, ix, bt
+
+
+def test_opcheck_cpu():
+    if torch is None or not hasattr(torch, "library") or not hasattr(torch.library, "opcheck"):
+        pytest.skip("needs torch with torch.library.opcheck")
+    hk, hv, ix, bt = _torch_case()
+    ix = ix.clamp(max=5)
+    dk, dv = torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16), torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16)
+    res = torch.full((2, 6), -1, dtype=torch.int32)
+    res[0, 3] = 4
+    torch.library.opcheck(torch.ops.gvr.sparda_prefetch.default, (hk, hv, ix, dk, dv, bt, res, None))
+
+
+def test_compile_aot_eager_matches_eager():
+    if torch is None or not hasattr(torch, "compile"):
+        pytest.skip("needs torch.compile")
+    hk, hv, ix, bt = _torch_case()
+    ix = ix.clamp(max=5)
+    q = torch.randn(2, 4, 32).to(torch.bfloat16)
+    lengths = torch.tensor([90, 60], dtype=torch.int32)
+
+    def step(dk, dv, resident):
+        m = gvr.sparda.prefetch(hk, hv, ix, dk, dv, block_table=bt, resident=resident)
+        out, lse = gvr.sparse_attention(q, dk, dv, ix, lengths=lengths, block_table=m, block_size=16)
+        return m, out, lse
+
+    d0 = [torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
+    d1 = [x.clone() for x in d0]
+    res = torch.full((2, 6), -1, dtype=torch.int32)
+    want = step(d0[0], d0[1], res)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(d1[0], d1[1], res)
+    assert torch.equal(got[0], want[0]) and torch.equal(d1[0], d0[0]) and torch.equal(d1[1], d0[1])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    ref, _ = gvr.sparse_attention(q, hk, hv, ix, lengths=lengths, block_table=bt, block_size=16)
+    assert torch.equal(want[1], ref)

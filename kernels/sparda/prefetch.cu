@@ -11,9 +11,6 @@
  * allocation, no host synchronization: graph-safe. */
 #include <cuda_runtime.h>
 
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
-
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -23,203 +20,27 @@
 #include "common/launch.cuh"
 #include "common/runtime.cuh"
 #include "gvr_kernels.h"
+#include "sparda/plan.cuh"
 
 #define GVR_API extern "C" __attribute__((visibility("default")))
 
 namespace gvr::sparda {
 namespace {
 
-constexpr int PLAN_THREADS = 1024;
-constexpr int GATHER_THREADS = 256;
-constexpr int PIECE_CHUNKS = 512; /* 16-byte chunks of a warp's piece: 8 KiB */
-constexpr int PER_LANE = PIECE_CHUNKS / 32;
 constexpr int DEFAULT_CTAS = 16;
 constexpr int STORE_CHUNK_TOKENS = 8192; /* tokens per store launch: duplicates are resolved within one */
 
-size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
-
-int64_t move_cap(const gvr_prefetch_params *p)
-{
-    int64_t cap = (int64_t)p->B * p->Hsel * p->n, all = (int64_t)p->B * p->max_pages;
-    if (all < cap)
-        cap = all;
-    if ((int64_t)p->S < cap)
-        cap = p->S;
-    return cap;
-}
-
-struct Workspace {
-    int32_t *claim, *order, *moves, *n_moves;
-};
-
-Workspace carve(const gvr_prefetch_params *p, void *ws)
-{
-    char *c = (char *)ws;
-    Workspace w;
-    w.claim = (int32_t *)c;
-    c += align256((size_t)p->S * 4);
-    w.order = (int32_t *)c;
-    c += align256((size_t)p->S * 4);
-    w.moves = (int32_t *)c;
-    c += align256((size_t)move_cap(p) * 8);
-    w.n_moves = (int32_t *)c;
-    return w;
-}
-
-__device__ __forceinline__ int32_t page_of(const gvr_prefetch_params &p, long long b, int32_t j)
-{
-    const long long pg = p.block_table ? (long long)p.block_table[b * p.bt_stride_b + j] : (long long)j;
-    return pg >= 0 && pg < p.num_pages ? (int32_t)pg : -1;
-}
-
-__device__ __forceinline__ int32_t *map_at(const gvr_prefetch_params &p, long long lin)
-{
-    return p.slot_map + (lin / p.max_pages) * p.map_stride_b + lin % p.max_pages;
-}
-
 __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const gvr_prefetch_params p, Workspace w)
 {
-    using Scan = cub::BlockScan<int, PLAN_THREADS>;
-    using Reduce = cub::BlockReduce<int, PLAN_THREADS>;
-    __shared__ union {
-        typename Scan::TempStorage scan;
-        typename Reduce::TempStorage reduce;
-    } tmp;
     pdl_enter();
-    const int t = threadIdx.x;
-    const long long M = p.max_pages, total = (long long)p.B * M, S = p.S;
-    const long long entries = (long long)p.B * p.Hsel * p.n;
-    /* 1. no owner, no slot */
-    for (long long s = t; s < S; s += PLAN_THREADS)
-        w.claim[s] = INT_MAX;
-    for (long long lin = t; lin < total; lin += PLAN_THREADS)
-        *map_at(p, lin) = -1;
-    __syncthreads();
-    /* 2. needed blocks: -2 */
-    const long long per_row = (long long)p.Hsel * p.n;
-    for (long long e = t; e < entries; e += PLAN_THREADS) {
-        const long long b = e / per_row, r = e % per_row, h = r / p.n, i = r % p.n;
-        const int32_t j = p.indices[b * p.ix_stride_b + h * p.ix_stride_h + i];
-        if (j >= 0 && j < M && page_of(p, b, j) >= 0)
-            p.slot_map[b * p.map_stride_b + j] = -2;
-    }
-    __syncthreads();
-    /* 3. owners: the first claim in row-major order */
-    if (p.resident)
-        for (long long lin = t; lin < total; lin += PLAN_THREADS) {
-            const long long b = lin / M;
-            const int32_t j = (int32_t)(lin % M), r = p.resident[b * p.res_stride_b + j];
-            if (r >= 0 && r < S && page_of(p, b, j) >= 0)
-                atomicMin(&w.claim[r], (int32_t)lin);
-        }
-    __syncthreads();
-    /* 4. kept: a needed owner keeps its slot */
-    int kept = 0;
-    for (long long s = t; s < S; s += PLAN_THREADS) {
-        const int32_t o = w.claim[s];
-        if (o != INT_MAX) {
-            int32_t *m = map_at(p, o);
-            if (*m == -2) {
-                *m = (int32_t)s;
-                kept++;
-            }
-        }
-    }
-    kept = Reduce(tmp.reduce).Sum(kept);
-    __syncthreads();
-    /* 5. free slots in order: unowned ascending, then owned by a block not needed ascending */
-    int nfree = 0;
-    for (int pass = 0; pass < 2; pass++)
-        for (long long s0 = 0; s0 < S; s0 += PLAN_THREADS) {
-            const long long s = s0 + t;
-            int flag = 0;
-            if (s < S) {
-                const int32_t o = w.claim[s];
-                flag = pass == 0 ? o == INT_MAX : (o != INT_MAX && *map_at(p, o) == -1);
-            }
-            int rank, sum;
-            Scan(tmp.scan).ExclusiveSum(flag, rank, sum);
-            if (flag)
-                w.order[nfree + rank] = (int32_t)s;
-            nfree += sum;
-            __syncthreads();
-        }
-    /* 6. the needed blocks not kept take them in row-major order */
-    int moved = 0;
-    for (long long l0 = 0; l0 < total; l0 += PLAN_THREADS) {
-        const long long lin = l0 + t;
-        int flag = 0;
-        int32_t *m = nullptr;
-        if (lin < total) {
-            m = map_at(p, lin);
-            flag = *m == -2;
-        }
-        int rank, sum;
-        Scan(tmp.scan).ExclusiveSum(flag, rank, sum);
-        if (flag) {
-            const int32_t s = w.order[moved + rank]; /* moved + rank < nfree: S covers the needed blocks */
-            *m = s;
-            w.moves[2 * (moved + rank)] = page_of(p, lin / M, (int32_t)(lin % M));
-            w.moves[2 * (moved + rank) + 1] = s;
-        }
-        moved += sum;
-        __syncthreads();
-    }
-    /* 7. retained: owners not needed keep the slots nobody took */
-    for (long long f = moved + t; f < nfree; f += PLAN_THREADS) {
-        const int32_t o = w.claim[w.order[f]];
-        if (o != INT_MAX)
-            *map_at(p, o) = w.order[f];
-    }
-    if (t == 0) {
-        *w.n_moves = moved;
-        if (p.counts) {
-            p.counts[0] = moved;
-            p.counts[1] = (long long)moved + kept;
-        }
-    }
+    plan_policy(p, w);
 }
 
-__device__ __forceinline__ uint4 load_nc(const uint4 *a)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a));
-    return v;
-}
-
-/* pieces of PIECE_CHUNKS 16-byte chunks: per move, the K page's pieces, then the V page's */
-__global__ void __launch_bounds__(GATHER_THREADS) gather_kernel(const gvr_prefetch_params p, const int32_t *moves,
-                                                                 const int32_t *n_moves)
+__global__ void __launch_bounds__(GATHER_THREADS) gather_kernel(const GatherJob j, const int32_t *n_moves)
 {
     pdl_enter();
-    const long long chunks = p.page_bytes / 16;
-    const long long pieces_per_page = (chunks + PIECE_CHUNKS - 1) / PIECE_CHUNKS;
-    const long long pieces = 2LL * (*n_moves) * pieces_per_page;
-    const int lane = threadIdx.x & 31;
-    const long long warps = (long long)gridDim.x * (GATHER_THREADS / 32);
-    for (long long u = (long long)blockIdx.x * (GATHER_THREADS / 32) + (threadIdx.x >> 5); u < pieces; u += warps) {
-        const long long m = u / (2 * pieces_per_page), r = u % (2 * pieces_per_page);
-        const int kv = (int)(r / pieces_per_page);
-        const long long piece = r % pieces_per_page;
-        const int32_t src = moves[2 * m], dst = moves[2 * m + 1];
-        const uint4 *from = (const uint4 *)((const char *)(kv ? p.host_v : p.host_k) +
-                                            (long long)src * (kv ? p.host_stride_v : p.host_stride_k));
-        uint4 *to = (uint4 *)((char *)(kv ? p.dst_v : p.dst_k) + (long long)dst * (kv ? p.dst_stride_v : p.dst_stride_k));
-        const long long c0 = piece * PIECE_CHUNKS;
-        uint4 v[PER_LANE];
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++) {
-            const long long c = c0 + i * 32 + lane;
-            if (c < chunks)
-                v[i] = load_nc(from + c);
-        }
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++) {
-            const long long c = c0 + i * 32 + lane;
-            if (c < chunks)
-                to[c] = v[i];
-        }
-    }
+    gather_pieces(j, *n_moves, (long long)blockIdx.x * (GATHER_THREADS / 32) + (threadIdx.x >> 5),
+                  (long long)gridDim.x * (GATHER_THREADS / 32));
 }
 
 /* one warp per token of a launch's chunk: skipped when a later token of the chunk names its slot (later
@@ -314,10 +135,7 @@ int memcpy_method(const gvr_prefetch_params *p, cudaStream_t st)
 
 using namespace gvr::sparda;
 
-GVR_API size_t gvr_sparda_prefetch_workspace_size(const gvr_prefetch_params *p)
-{
-    return 2 * align256((size_t)p->S * 4) + align256((size_t)move_cap(p) * 8) + 256;
-}
+GVR_API size_t gvr_sparda_prefetch_workspace_size(const gvr_prefetch_params *p) { return workspace_bytes(p); }
 
 GVR_API int gvr_sparda_prefetch(const gvr_prefetch_params *p, void *workspace, size_t workspace_bytes, void *stream)
 {
@@ -336,8 +154,7 @@ GVR_API int gvr_sparda_prefetch(const gvr_prefetch_params *p, void *workspace, s
     }
     const int ctas = p->max_ctas > 0 ? p->max_ctas : DEFAULT_CTAS;
     gvr::LaunchConfig lc((unsigned)ctas, GATHER_THREADS, 0, 0, st);
-    if ((e = cudaLaunchKernelEx(&lc.cfg, gather_kernel, *p, (const int32_t *)w.moves, (const int32_t *)w.n_moves)) !=
-        cudaSuccess)
+    if ((e = cudaLaunchKernelEx(&lc.cfg, gather_kernel, job_of(p, w.moves), (const int32_t *)w.n_moves)) != cudaSuccess)
         return gvr::set_error("gvr_sparda_prefetch: gather kernel", e);
     return 0;
 }
