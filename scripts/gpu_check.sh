@@ -143,7 +143,7 @@ sparda() {  # issue 14's pieces: their GPU tests, sanitizer (compressed keys are
 prefetcher() {  # the persistent Prefetcher (gated until this passes): its GPU tests alone, short timeouts (a
   # persistent kernel that never stops hangs the process: timeout kills it), then its benchmark section
   say "GPU tests (Prefetcher)"
-  (cd tests && GVR_UNVERIFIED_CUDA=1 timeout 90 $PY -m pytest -q -p no:cacheprovider -m gpu -x -rs test_sparda_prefetcher.py) 2>&1 | tee "$OUT/pytest_prefetcher_gpu.log" | tail -15
+  (cd tests && GVR_TEST_PREFETCHER=1 GVR_UNVERIFIED_CUDA=1 timeout 90 $PY -m pytest -q -p no:cacheprovider -m gpu -x -rs test_sparda_prefetcher.py) 2>&1 | tee "$OUT/pytest_prefetcher_gpu.log" | tail -15
   say "bench_sparda --prefetcher-only"
   (cd /tmp && GVR_UNVERIFIED_CUDA=1 timeout 90 $PY "$ROOT/benchmarks/bench_sparda.py" --prefetcher-only) 2>&1 | tail -6
 }
