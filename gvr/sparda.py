@@ -427,11 +427,19 @@ _PF_WS: dict = {}
 _PF_CAPTURED: list = []
 
 
+def _max_pages(block_table, host_k):
+    """max_pages of a prefetch call, or None when the shapes can't be read (gvr._C then names the problem)"""
+    s = getattr(block_table if block_table is not None else host_k, "shape", None)
+    if s is None or len(s) != (2 if block_table is not None else 4):
+        return None
+    return int(s[1] if block_table is not None else s[0])
+
+
 def _prefetch_workspace(like, fw, stream, S, indices, block_table, host_k):
     ix = getattr(indices, "shape", None)
-    if ix is None or len(ix) != 3:
+    maxp = _max_pages(block_table, host_k)
+    if ix is None or len(ix) != 3 or maxp is None:
         return None
-    maxp = block_table.shape[1] if block_table is not None and len(block_table.shape) == 2 else host_k.shape[0]
     dev = like.device.index if fw == "torch" else like.device.id
     need = _C.prefetch_workspace_size(dev, S, int(ix[0]), int(ix[1]), int(ix[2]), int(maxp))
     key = (fw, dev, stream)
@@ -456,9 +464,9 @@ def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, 
     ds = getattr(dst_k, "shape", None)
     if slot_map_out is None and fw in ("torch", "cupy"):
         ix = getattr(indices, "shape", None)
-        maxp = (block_table.shape[1] if block_table is not None else getattr(host_k, "shape", (0,))[0])
-        if ix is not None and len(ix) == 3:
-            slot_map_out = _new(dst_k, fw, (int(ix[0]), int(maxp)), "int32")
+        maxp = _max_pages(block_table, host_k)
+        if ix is not None and len(ix) == 3 and maxp is not None:
+            slot_map_out = _new(dst_k, fw, (int(ix[0]), maxp), "int32")
     ws = None
     if fw in ("torch", "cupy") and is_cuda(dst_k, fw):
         stream = _stream_for(dst_k, fw, stream)
@@ -488,7 +496,7 @@ def _prefetch_impl(host_k, host_v, indices, dst_k, dst_v, block_table, resident,
 
 
 def _prefetch_fake(host_k, host_v, indices, dst_k, dst_v, block_table, resident, max_ctas):
-    maxp = block_table.shape[1] if block_table is not None else host_k.shape[0]
+    maxp = _max_pages(block_table, host_k)
     return dst_k.new_empty((indices.shape[0], maxp), dtype=_torch().int32)
 
 
