@@ -475,8 +475,7 @@ static int check_role(const gvr_spec *spec, const gvr_arg_spec *a, const gvr_int
     return -1;
 }
 
-/* [lo, hi): the bytes a view covers (empty views cover nothing) */
-static int extent(const gvr_view *v, uintptr_t *lo, uintptr_t *hi)
+int gvr_view_extent(const gvr_view *v, uintptr_t *lo, uintptr_t *hi)
 {
     uintptr_t a = (uintptr_t)v->data, b = (uintptr_t)v->data;
     const int64_t size = v->itemsize ? v->itemsize : 1;
@@ -494,14 +493,14 @@ static int extent(const gvr_view *v, uintptr_t *lo, uintptr_t *hi)
     return 1;
 }
 
-static int overlaps(const gvr_view *a, const gvr_view *b)
+int gvr_views_overlap(const gvr_view *a, const gvr_view *b)
 {
     /* cpu and pinned host memory share one address space; each CUDA device has its own */
     const int ha = a->device != GVR_DEV_CUDA, hb = b->device != GVR_DEV_CUDA;
     if (!a->data || !b->data || ha != hb || (!ha && a->device_id != b->device_id))
         return 0;
     uintptr_t alo, ahi, blo, bhi;
-    if (!extent(a, &alo, &ahi) || !extent(b, &blo, &bhi))
+    if (!gvr_view_extent(a, &alo, &ahi) || !gvr_view_extent(b, &blo, &bhi))
         return 0;
     return alo < bhi && blo < ahi;
 }
@@ -614,7 +613,7 @@ int gvr_intake_run(gvr_intake *in, const gvr_spec *spec, PyObject *const *objs, 
         if (!in->given[i] || !(spec->args[i].flags & GVR_OUTPUT) || in->allocated[i])
             continue;
         for (int j = 0; j < spec->nargs; j++)
-            if (j != i && in->given[j] && overlaps(&in->view[i], &in->view[j])) {
+            if (j != i && in->given[j] && gvr_views_overlap(&in->view[i], &in->view[j])) {
                 PyErr_Format(PyExc_ValueError, "'%s' must not overlap '%s'", spec->args[i].name,
                              spec->args[j].name);
                 return -1;

@@ -101,6 +101,11 @@ int gvr_parse_bool(PyObject *o, const char *name, int *val);       /* bool or nu
 int gvr_parse_stream(PyObject *o, intptr_t *stream);               /* None, 0 or a handle */
 int gvr_parse_nosync(PyObject *o, int nargs, unsigned *nosync);
 
+/* [lo, hi): the bytes a view covers; 0 for an empty view (it covers nothing). */
+int gvr_view_extent(const gvr_view *v, uintptr_t *lo, uintptr_t *hi);
+/* Whether two given views share a byte (in one address space: host and pinned memory share one). */
+int gvr_views_overlap(const gvr_view *a, const gvr_view *b);
+
 /* "cpu", "cuda:1", "pinned host memory (cuda_host)" */
 void gvr_device_name(gvr_device d, int id, char *buf, size_t n);
 

@@ -212,34 +212,6 @@ static int page_dense(const gvr_view *v)
     return 1;
 }
 
-/* [lo, hi): the bytes a view spans */
-static void span(const gvr_view *v, const char **lo, const char **hi)
-{
-    int64_t a = 0, b = 0;
-    int empty = 0;
-    for (int i = 0; i < v->ndim; i++) {
-        if (v->shape[i] == 0)
-            empty = 1;
-        const int64_t e = (v->shape[i] - 1) * v->strides[i];
-        if (e < 0)
-            a += e;
-        else
-            b += e;
-    }
-    *lo = v->data + a * v->itemsize;
-    *hi = empty ? *lo : v->data + (b + 1) * v->itemsize;
-}
-
-static int overlaps(const gvr_view *x, const gvr_view *y)
-{
-    if (!x->data || !y->data)
-        return 0;
-    const char *a0, *a1, *b0, *b1;
-    span(x, &a0, &a1);
-    span(y, &b0, &b1);
-    return a0 < b1 && b0 < a1;
-}
-
 /* ---- prefetch --------------------------------------------------------------------------------- */
 
 /* The CUDA library with device `dev` made current (*prev: the device end_on restores), or NULL with an
@@ -314,20 +286,19 @@ static int bind_from(gvr_intake *to, const gvr_intake *from, const char *dim)
 
 static int host_device_ptr(const gvr_cuda_api *cu, const gvr_view *v, const void **dptr)
 {
-    const char *lo, *hi;
-    span(v, &lo, &hi);
+    uintptr_t lo, hi;
     void *d = NULL;
-    if (hi <= lo) {
+    if (!gvr_view_extent(v, &lo, &hi)) {
         *dptr = v->data;
         return 0;
     }
-    if (cu->host_device_pointer(lo, (size_t)(hi - lo), &d)) {
+    if (cu->host_device_pointer((const void *)lo, (size_t)(hi - lo), &d)) {
         PyErr_Format(PyExc_ValueError, "'%s' must be in pinned, device-mapped host memory to be read by the GPU "
                      "(gvr.sparda.HostKVCache, a torch tensor made with pin_memory=True, cudaHostAlloc), got %s", v->name,
                      cu->last_error());
         return -1;
     }
-    *dptr = (const char *)d + (v->data - lo);
+    *dptr = (const char *)d + ((uintptr_t)v->data - lo);
     return 0;
 }
 
@@ -417,7 +388,7 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
                      "blocks one call can need), got S = %lld", (long long)need, (long long)S);
         goto fail;
     }
-    if (sin.device == din.device && (overlaps(map, res) || overlaps(map, ix) || overlaps(map, bt))) {
+    if (gvr_views_overlap(map, res) || gvr_views_overlap(map, ix) || gvr_views_overlap(map, bt)) {
         PyErr_SetString(PyExc_ValueError, "'slot_map_out' must not overlap 'resident', 'indices' or 'block_table' (keep two "
                         "slot maps and alternate them)");
         goto fail;

@@ -78,17 +78,25 @@ def _workspace(q, fw, stream, k_cache, indices, block_table, block_size, partial
         return None
     need = _C.attention_workspace_size(dev, qs[0], qs[1], ks[2], qs[2], ix[1], ix[2], ks[1], ks[0], bs,
                                        block_table is not None, partials is not None, bool(accumulate))
+    return cached_workspace(_WORKSPACES, q, fw, dev, stream, need)
+
+
+def cached_workspace(cache, like, fw, dev, stream, need):
+    """A zero-filled uint8 buffer of at least ``need`` bytes on like's device, one per (framework, device,
+    stream) in ``cache`` (an operator's own dict: operators leave their workspaces in different states),
+    grown by doubling; made fresh, and kept alive in _CAPTURED, while a CUDA graph is captured. None when
+    need is 0."""
     if need == 0:
         return None
     key = (fw, dev, stream)
-    ws = _WORKSPACES.get(key)
+    ws = cache.get(key)
     if ws is not None and ws.shape[0] >= need:
         return ws
-    ws = _zeros(q, fw, max(need, 2 * ws.shape[0] if ws is not None else 0))
+    ws = _zeros(like, fw, max(need, 2 * ws.shape[0] if ws is not None else 0))
     if _capturing(fw):
         _CAPTURED.append(ws)
     else:
-        _WORKSPACES[key] = ws
+        cache[key] = ws
     return ws
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 
 from . import _C
-from ._interop import _host_view, compiling, define_op, framework, prepare, stream_handle
-from .attention import _capturing, _check_traced_stream, _new, _stream_for, _zeros
+from ._interop import _host_view, compiling, define_op, framework, is_cuda, prepare, stream_handle
+from .attention import _check_traced_stream, _new, _stream_for, cached_workspace
 
 __all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys", "HostKVCache", "prefetch",
            "Prefetcher"]
@@ -386,13 +386,8 @@ class HostKVCache:
             slots = slots.long()
         elif fw == "numpy" and getattr(slots, "dtype", None) is not None and str(slots.dtype) == "int32":
             slots = slots.astype("int64")
-        ck, cv = self._views[2 * layer], self._views[2 * layer + 1]
-        if fw == "torch" and k.is_cuda:
-            (ak, av, asl), st, nosync = prepare(fw, k, (k, v, slots), stream)
-            _C.sparda_kv_store(ak, av, asl, ck, cv, st, nosync)
-        else:
-            (ak, av, asl), st, _ = prepare(fw, k, (k, v, slots), stream)
-            _C.sparda_kv_store(ak, av, asl, ck, cv, None, 0)
+        (ak, av, asl), st, nosync = prepare(fw, k, (k, v, slots), stream)
+        _C.sparda_kv_store(ak, av, asl, self._views[2 * layer], self._views[2 * layer + 1], st, nosync)
 
     def close(self):
         """Free the memory now. BufferError while views of it (arrays from k()/v() or derived from them)
@@ -423,8 +418,7 @@ class HostKVCache:
                 f"D={self.D}, dtype={self.dtype}, layout={self.layout!r}, {state}, {self.nbytes} bytes)")
 
 
-_PF_WS: dict = {}
-_PF_CAPTURED: list = []
+_PF_WS: dict = {}  # prefetch's CUDA workspaces (any content on entry)
 
 
 def _max_pages(block_table, host_k):
@@ -441,17 +435,8 @@ def _prefetch_workspace(like, fw, stream, S, indices, block_table, host_k):
     if ix is None or len(ix) != 3 or maxp is None:
         return None
     dev = like.device.index if fw == "torch" else like.device.id
-    need = _C.prefetch_workspace_size(dev, S, int(ix[0]), int(ix[1]), int(ix[2]), int(maxp))
-    key = (fw, dev, stream)
-    ws = _PF_WS.get(key)
-    if ws is not None and ws.shape[0] >= need:
-        return ws
-    ws = _zeros(like, fw, max(need, 2 * ws.shape[0] if ws is not None else 0, 256))
-    if _capturing(fw):
-        _PF_CAPTURED.append(ws)
-    else:
-        _PF_WS[key] = ws
-    return ws
+    need = _C.prefetch_workspace_size(dev, S, int(ix[0]), int(ix[1]), int(ix[2]), maxp)
+    return cached_workspace(_PF_WS, like, fw, dev, stream, need)
 
 
 def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream, method,
@@ -484,10 +469,6 @@ def _host_side(x):
     """torch CPU tensors (pinned or not) as NumPy views where NumPy has the dtype: the host intake
     then needs no DLPack export."""
     return _host_view(x) if type(x).__module__.startswith("torch") and not x.is_cuda else x
-
-
-def is_cuda(x, fw):
-    return (fw == "torch" and x.is_cuda) or fw == "cupy"
 
 
 def _prefetch_impl(host_k, host_v, indices, dst_k, dst_v, block_table, resident, max_ctas):
@@ -598,7 +579,7 @@ class Prefetcher:
         t.cuda.synchronize(self.device)  # the buffers are written before the kernel starts
         self._h = _C.prefetcher_create(dev, ctas, depth, int(timeout_s * 1e9), self._ws.data_ptr(), self._slot_bytes)
         self.ctas, self.depth, self.timeout_s = ctas, depth, timeout_s
-        self._streams = {}
+        self._streams = set()
         import atexit
         import weakref
         ref = weakref.ref(self)
@@ -637,7 +618,7 @@ class Prefetcher:
         self._next += 1
         fw = framework(dst_k)
         st = _stream_for(dst_k, fw, stream)
-        self._streams[st] = True
+        self._streams.add(st)
         m = _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, st,
                           "kernel", None, self._h, ticket)
         return m, ticket
@@ -654,7 +635,7 @@ class Prefetcher:
         st = stream_handle(stream)
         if st is None:
             st = t.cuda.current_stream(self.device).cuda_stream
-        self._streams[st] = True
+        self._streams.add(st)
         _C.prefetcher_wait(self._h, self._dev, ticket.data_ptr(), st)
 
     def close(self, timeout_s=5.0):

@@ -195,7 +195,7 @@ struct GatherJob {
     const int32_t *moves;
 };
 
-inline GatherJob job_of(const gvr_prefetch_params *p, const int32_t *moves)
+__host__ __device__ inline GatherJob job_of(const gvr_prefetch_params *p, const int32_t *moves)
 {
     return GatherJob{(const char *)p->host_k, (const char *)p->host_v, p->host_stride_k, p->host_stride_v,
                      (char *)p->dst_k, (char *)p->dst_v, p->dst_stride_k, p->dst_stride_v, p->page_bytes, moves};

@@ -106,8 +106,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) submit_kernel(const gvr_prefetch
     __syncthreads();
     if (threadIdx.x == 0) {
         Request r;
-        r.job = GatherJob{(const char *)p.host_k, (const char *)p.host_v, p.host_stride_k, p.host_stride_v,
-                          (char *)p.dst_k, (char *)p.dst_v, p.dst_stride_k, p.dst_stride_v, p.page_bytes, w.moves};
+        r.job = job_of(&p, w.moves);
         r.n = ok_s ? n : 0; /* a slot not freed in time: publish nothing to move, the error is set */
         q.req[slot] = r;
         __threadfence();
