@@ -141,11 +141,20 @@ sparda() {  # issue 14's pieces: their GPU tests, sanitizer (compressed keys are
 }
 
 prefetcher() {  # the persistent Prefetcher (gated until this passes): its GPU tests alone, short timeouts (a
-  # persistent kernel that never stops hangs the process: timeout kills it), then its benchmark section
-  say "GPU tests (Prefetcher)"
-  (cd tests && GVR_TEST_PREFETCHER=1 GVR_UNVERIFIED_CUDA=1 timeout 90 $PY -m pytest -q -p no:cacheprovider -m gpu -x -rs test_sparda_prefetcher.py) 2>&1 | tee "$OUT/pytest_prefetcher_gpu.log" | tail -15
-  say "bench_sparda --prefetcher-only"
-  (cd /tmp && GVR_UNVERIFIED_CUDA=1 timeout 90 $PY "$ROOT/benchmarks/bench_sparda.py" --prefetcher-only) 2>&1 | tail -6
+  # persistent kernel that never stops hangs the process: timeout kills it; faulthandler shows where), with
+  # CUDA's default lazy loading first, then with eager loading if that failed; then its benchmark section
+  local rc=0 loading
+  for loading in LAZY EAGER; do
+    say "GPU tests (Prefetcher, CUDA_MODULE_LOADING=$loading)"
+    (cd tests && CUDA_MODULE_LOADING=$loading GVR_TEST_PREFETCHER=1 GVR_UNVERIFIED_CUDA=1 timeout -k 5 75 $PY -X faulthandler \
+      -m pytest -v -p no:cacheprovider -o faulthandler_timeout=30 -m gpu -x -rs test_sparda_prefetcher.py) 2>&1 \
+      | tee "$OUT/pytest_prefetcher_gpu_$loading.log" | tail -40
+    rc=${PIPESTATUS[0]}; echo "exit $rc"
+    [ "$rc" = 0 ] && break
+  done
+  say "bench_sparda --prefetcher-only (CUDA_MODULE_LOADING=$loading)"
+  (cd /tmp && CUDA_MODULE_LOADING=$loading GVR_UNVERIFIED_CUDA=1 timeout -k 5 90 $PY -X faulthandler \
+    "$ROOT/benchmarks/bench_sparda.py" --prefetcher-only --json "$OUT/results_prefetcher_cuda.json") 2>&1 | tee "$OUT/bench_prefetcher.log" | tail -12
 }
 
 spardabench() {  # benchmarks/bench_sparda.py: gathers per method, matmul slowdown, resident bytes, the layer pipeline
