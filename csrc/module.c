@@ -112,7 +112,9 @@ static PyMethodDef methods[] = {
     {"sparda_kv_store", (PyCFunction)(void (*)(void))gvr_py_sparda_kv_store, METH_VARARGS | METH_KEYWORDS,
      gvr_sparda_kv_store_doc},
     {"prefetcher_create", gvr_py_prefetcher_create, METH_VARARGS,
-     "prefetcher_create(device, ctas, depth, timeout_ns, slot_workspace_ptr, slot_ws_bytes) -> handle (gvr.sparda.Prefetcher)"},
+     "prefetcher_create(device, ctas, depth, timeout_ns, slot_workspace_ptr, slot_ws_bytes, cta_warps=0, lane_loads=0, "
+     "start=True) -> handle (gvr.sparda.Prefetcher)"},
+    {"prefetcher_start", gvr_py_prefetcher_start, METH_VARARGS, "prefetcher_start(handle, device): the persistent kernel"},
     {"prefetcher_wait", gvr_py_prefetcher_wait, METH_VARARGS, "prefetcher_wait(handle, device, ticket_ptr, stream)"},
     {"prefetcher_status", gvr_py_prefetcher_status, METH_O, "prefetcher_status(handle) -> (error, running)"},
     {"prefetcher_close", gvr_py_prefetcher_close, METH_VARARGS, "prefetcher_close(handle, device, timeout_ms)"},

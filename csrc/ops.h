@@ -32,6 +32,7 @@ extern const char gvr_sparda_prefetch_doc[], gvr_sparda_kv_store_doc[];
 extern PyTypeObject gvr_HostBufferType;
 PyObject *gvr_py_prefetcher_create(PyObject *self, PyObject *args);
 PyObject *gvr_py_prefetcher_wait(PyObject *self, PyObject *args);
+PyObject *gvr_py_prefetcher_start(PyObject *self, PyObject *args);
 PyObject *gvr_py_prefetcher_status(PyObject *self, PyObject *cap);
 PyObject *gvr_py_prefetcher_close(PyObject *self, PyObject *args);
 PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds);

@@ -262,7 +262,7 @@ static const gvr_spec dst_spec = {"sparda.prefetch", D_NARGS, dst_args};
 
 const char gvr_sparda_prefetch_doc[] =
     "sparda_prefetch(host_k, host_v, indices, block_table, resident, dst_k, dst_v, slot_map_out, counts,\n"
-    "                workspace, method, max_ctas, stream, nosync)\n--\n\n"
+    "                workspace, method, max_ctas, stream, nosync, prefetcher, ticket, cta_warps, lane_loads)\n--\n\n"
     "Gather the selected blocks of a paged host cache into a staging cache, moving only what is not\n"
     "resident; returns the slot map. See gvr.sparda.prefetch.";
 
@@ -302,25 +302,40 @@ static int host_device_ptr(const gvr_cuda_api *cu, const gvr_view *v, const void
     return 0;
 }
 
+/* the gather CTAs' shape: warps 1..8 and 4, 8 or 16 loads in flight per lane (0: the library's choice) */
+static int gather_shape_ok(int cta_warps, int lane_loads)
+{
+    if (cta_warps < 0 || cta_warps > 8) {
+        PyErr_Format(PyExc_ValueError, "'cta_warps' must be 1..8, got %d", cta_warps);
+        return -1;
+    }
+    if (lane_loads != 0 && lane_loads != 4 && lane_loads != 8 && lane_loads != 16) {
+        PyErr_Format(PyExc_ValueError, "'lane_loads' must be 4, 8 or 16, got %d", lane_loads);
+        return -1;
+    }
+    return 0;
+}
+
 PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
     static char *kwlist[] = {"host_k", "host_v", "indices", "block_table", "resident", "dst_k", "dst_v", "slot_map_out",
                              "counts", "workspace", "method", "max_ctas", "stream", "nosync", "prefetcher", "ticket",
-                             NULL};
+                             "cta_warps", "lane_loads", NULL};
     PyObject *hobj[H_NARGS] = {Py_None, Py_None}, *sobj[S_NARGS] = {Py_None, Py_None, Py_None},
              *dobj[D_NARGS] = {Py_None, Py_None, Py_None, Py_None, Py_None};
     PyObject *o_stream = Py_None, *o_nosync = NULL, *result = NULL, *o_pf = Py_None;
-    int method = 0, max_ctas = 0;
+    int method = 0, max_ctas = 0, cta_warps = 0, lane_loads = 0;
     unsigned long long ticket_addr = 0;
     int32_t *plan_map = NULL, *moves = NULL;
     gvr_intake hin, sin, din;
     gvr_intake_init(&hin);
     gvr_intake_init(&sin);
     gvr_intake_init(&din);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOO|iiOOOK:sparda_prefetch", kwlist, &hobj[HK], &hobj[HV],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOO|iiOOOKii:sparda_prefetch", kwlist, &hobj[HK], &hobj[HV],
                                      &sobj[SIX], &sobj[SBT], &sobj[SRES], &dobj[DK], &dobj[DV], &dobj[DMAP], &dobj[DCNT],
-                                     &dobj[DWS], &method, &max_ctas, &o_stream, &o_nosync, &o_pf, &ticket_addr))
+                                     &dobj[DWS], &method, &max_ctas, &o_stream, &o_nosync, &o_pf, &ticket_addr,
+                                     &cta_warps, &lane_loads))
         return NULL;
     void *pf = NULL;
     if (o_pf != Py_None && !(pf = PyCapsule_GetPointer(o_pf, "gvr.prefetcher")))
@@ -333,6 +348,8 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "'method' must be 0..2 and 'max_ctas' >= 0, got %d and %d", method, max_ctas);
         goto fail;
     }
+    if (gather_shape_ok(cta_warps, lane_loads) < 0)
+        goto fail;
     /* the host cache (always host memory), then the selection (binding B, max_pages), then the staging side */
     if (gvr_intake_run(&hin, &host_spec, hobj, stream, 0) < 0)
         goto fail;
@@ -422,6 +439,8 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
     p.map_stride_b = map->strides[0];
     p.counts = (int64_t *)cnt->data;
     p.max_ctas = max_ctas;
+    p.cta_warps = cta_warps;
+    p.lane_loads = lane_loads;
     if (din.device != GVR_DEV_CUDA) {
         if (sin.device == GVR_DEV_CUDA) {
             PyErr_Format(PyExc_ValueError, "mixed devices: 'dst_k' is in host memory but 'indices' is on cuda:%d; a host "
@@ -686,26 +705,31 @@ fail:
 
 static void *pf_of(PyObject *cap) { return PyCapsule_GetPointer(cap, "gvr.prefetcher"); }
 
-/* prefetcher_create(device, ctas, depth, timeout_ns, slot_workspace_ptr, slot_ws_bytes) -> capsule */
+/* prefetcher_create(device, ctas, depth, timeout_ns, slot_workspace_ptr, slot_ws_bytes, cta_warps, lane_loads,
+ * start) -> capsule */
 PyObject *gvr_py_prefetcher_create(PyObject *self, PyObject *args)
 {
     (void)self;
-    int dev, ctas, depth;
+    int dev, ctas, depth, cta_warps = 0, lane_loads = 0, start = 1;
     long long timeout_ns;
     unsigned long long ws;
     Py_ssize_t ws_bytes;
-    if (!PyArg_ParseTuple(args, "iiiLKn:prefetcher_create", &dev, &ctas, &depth, &timeout_ns, &ws, &ws_bytes))
+    if (!PyArg_ParseTuple(args, "iiiLKn|iip:prefetcher_create", &dev, &ctas, &depth, &timeout_ns, &ws, &ws_bytes,
+                          &cta_warps, &lane_loads, &start))
         return NULL;
     if (ctas < 1 || depth < 1 || timeout_ns < 1 || ws_bytes < 0) {
         PyErr_Format(PyExc_ValueError, "prefetcher: ctas, depth and timeout must be >= 1, got %d, %d, %lld", ctas, depth,
                      timeout_ns);
         return NULL;
     }
+    if (gather_shape_ok(cta_warps, lane_loads) < 0)
+        return NULL;
     int prev;
     const gvr_cuda_api *cu = begin_on(dev, &prev);
     if (!cu)
         return NULL;
-    gvr_prefetcher_config c = {ctas, depth, timeout_ns, (void *)(uintptr_t)ws, (size_t)ws_bytes};
+    gvr_prefetcher_config c = {ctas, depth, timeout_ns, (void *)(uintptr_t)ws, (size_t)ws_bytes, cta_warps, lane_loads,
+                               start};
     void *h = NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -715,6 +739,28 @@ PyObject *gvr_py_prefetcher_create(PyObject *self, PyObject *args)
     if (rc)
         return gvr_cuda_raise("gvr_prefetcher_create");
     return PyCapsule_New(h, "gvr.prefetcher", NULL);
+}
+
+/* prefetcher_start(capsule, device): the persistent kernel, once */
+PyObject *gvr_py_prefetcher_start(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap;
+    int dev;
+    if (!PyArg_ParseTuple(args, "Oi:prefetcher_start", &cap, &dev))
+        return NULL;
+    void *h = pf_of(cap);
+    if (!h)
+        return NULL;
+    int prev;
+    const gvr_cuda_api *cu = begin_on(dev, &prev);
+    if (!cu)
+        return NULL;
+    const int rc = cu->prefetcher_start(h);
+    end_on(cu, dev, prev);
+    if (rc)
+        return gvr_cuda_raise("gvr_prefetcher_start");
+    Py_RETURN_NONE;
 }
 
 /* prefetcher_wait(capsule, device, ticket_ptr, stream) */

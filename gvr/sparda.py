@@ -439,12 +439,25 @@ def _prefetch_workspace(like, fw, stream, S, indices, block_table, host_k):
     return cached_workspace(_PF_WS, like, fw, dev, stream, need)
 
 
+def _gather_shape(cta_warps, lane_loads):
+    if cta_warps is not None:
+        _check_int("cta_warps", cta_warps, 1)
+        if cta_warps > 8:
+            raise ValueError(f"'cta_warps' must be 1..8, got {cta_warps}")
+    if lane_loads is not None:
+        _check_int("lane_loads", lane_loads, 1)
+        if lane_loads not in (4, 8, 16):
+            raise ValueError(f"'lane_loads' must be 4, 8 or 16, got {lane_loads}")
+    return cta_warps or 0, lane_loads or 0
+
+
 def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream, method,
-                  max_ctas, prefetcher=None, ticket=None):
+                  max_ctas, prefetcher=None, ticket=None, cta_warps=None, lane_loads=None):
     if not isinstance(method, str) or method not in _METHODS:
         raise ValueError(f"'method' must be 'auto', 'kernel' or 'memcpy', got {method!r}")
     if max_ctas is not None:
         _check_int("max_ctas", max_ctas, 1)
+    warps, loads = _gather_shape(cta_warps, lane_loads)
     fw = framework(dst_k)
     ds = getattr(dst_k, "shape", None)
     if slot_map_out is None and fw in ("torch", "cupy"):
@@ -461,7 +474,8 @@ def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, 
     arrays = (host_k, host_v, indices, block_table, resident, dst_k, dst_v, slot_map_out, counts, ws)
     (hk, hv, ix, bt, rs, dk, dv, sm, ct, aws), stream, nosync = prepare(fw, dst_k, arrays, stream)
     r = _C.sparda_prefetch(_host_side(hk), _host_side(hv), ix, bt, rs, dk, dv, sm, ct, aws, _METHODS[method],
-                           max_ctas or 0, stream, nosync, prefetcher, 0 if ticket is None else ticket.data_ptr())
+                           max_ctas or 0, stream, nosync, prefetcher, 0 if ticket is None else ticket.data_ptr(),
+                           warps, loads)
     return r if slot_map_out is None else slot_map_out
 
 
@@ -487,7 +501,7 @@ _prefetch_op = define_op("sparda_prefetch", "(Tensor host_k, Tensor host_v, Tens
 
 
 def prefetch(host_k, host_v, indices, dst_k, dst_v, *, block_table=None, resident=None, slot_map_out=None, counts=None,
-             stream=None, method="auto", max_ctas=None):
+             stream=None, method="auto", max_ctas=None, cta_warps=None, lane_loads=None):
     """Gather the KV blocks named by ``indices`` from a paged cache in host memory into a staging cache,
     moving only blocks that are not already there (SparDA, paper 004) -> ``slot_map`` int32
     ``[B, max_pages]``: the staging page of each logical block (-1 none), the block table that
@@ -514,6 +528,9 @@ def prefetch(host_k, host_v, indices, dst_k, dst_v, *, block_table=None, residen
     memory; "auto" -- "kernel" for device selections, "memcpy" for host ones. On the CPU (host staging
     arrays) every method runs the C implementation. Under torch.compile: ``torch.ops.gvr.sparda_prefetch``
     (method "kernel").
+    cta_warps, lane_loads: the gather kernel's CTA shape -- warps per CTA (1..8, default 8) and 16-byte
+    loads in flight per lane (4, 8 or 16, default 16); with max_ctas they trade PCIe bandwidth against the
+    SMs (registers) taken from concurrent kernels (benchmarks/RESULTS.md, issue 14).
     """
     if compiling():
         _check_traced_stream(stream, "sparda.prefetch")
@@ -522,7 +539,7 @@ def prefetch(host_k, host_v, indices, dst_k, dst_v, *, block_table=None, residen
                              "method 'memcpy'")
         return _prefetch_op.call(host_k, host_v, indices, dst_k, dst_v, block_table, resident, max_ctas)
     return _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream,
-                         method, max_ctas)
+                         method, max_ctas, cta_warps=cta_warps, lane_loads=lane_loads)
 
 
 class Prefetcher:
@@ -547,14 +564,15 @@ class Prefetcher:
     required; tickets come from a ring allocated here, each valid for ``4 * depth`` submits), synchronize
     on streams or events, and ``close()`` it first (a context manager; closed at interpreter exit too).
 
-    **Not verified on a GPU yet** (its first GPU run hung at the first submit -- most likely the lazy
-    loading of the submit kernel, or an allocation in the test; this version, with both removed, has not
-    run): CUDA use raises NotImplementedError unless
-    ``GVR_UNVERIFIED_CUDA=1``. The stream-ordered :func:`prefetch` is the default and is verified.
+    CUDA graphs: ``torch.cuda.graph`` synchronizes the device, so capture the submits and waits before the
+    kernel starts -- ``Prefetcher(..., start=False)``, capture, then :meth:`start`; the graph then replays
+    while it runs (tickets are fixed ring entries: one per submit captured).
+    ``cta_warps``, ``lane_loads``: its CTAs' shape, as :func:`prefetch`'s (they hold their registers while
+    it runs).
     """
 
-    def __init__(self, device=None, *, staging_pages, batch, max_pages, entries, ctas=16, depth=8, timeout_s=1.0):
-        import os
+    def __init__(self, device=None, *, staging_pages, batch, max_pages, entries, ctas=16, depth=8, timeout_s=1.0,
+                 cta_warps=None, lane_loads=None, start=True):
         self._h = None
         t = _torch()
         for name, v, lo in (("staging_pages", staging_pages, 1), ("batch", batch, 1), ("max_pages", max_pages, 1),
@@ -562,10 +580,7 @@ class Prefetcher:
             _check_int(name, v, lo)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"'timeout_s' must be a number > 0, got {timeout_s!r}")
-        if os.environ.get("GVR_UNVERIFIED_CUDA") != "1":
-            raise NotImplementedError(
-                "gvr.sparda.Prefetcher is built but not yet verified on a GPU (its GPU tests are owed): use "
-                "gvr.sparda.prefetch, or set GVR_UNVERIFIED_CUDA=1 to run it anyway")
+        warps, loads = _gather_shape(cta_warps, lane_loads)
         self.device = t.device("cuda", t.cuda.current_device()) if device is None else t.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"'device' must be a CUDA device, got {device!r}")
@@ -577,8 +592,10 @@ class Prefetcher:
         self._tickets = t.zeros(4 * depth, dtype=t.int64, device=self.device)  # no allocation per submit
         self._next = 0
         t.cuda.synchronize(self.device)  # the buffers are written before the kernel starts
-        self._h = _C.prefetcher_create(dev, ctas, depth, int(timeout_s * 1e9), self._ws.data_ptr(), self._slot_bytes)
+        self._h = _C.prefetcher_create(dev, ctas, depth, int(timeout_s * 1e9), self._ws.data_ptr(), self._slot_bytes,
+                                       warps, loads, bool(start))
         self.ctas, self.depth, self.timeout_s = ctas, depth, timeout_s
+        self.started = bool(start)
         self._streams = set()
         import atexit
         import weakref
@@ -589,6 +606,13 @@ class Prefetcher:
     @property
     def closed(self):
         return self._h is None
+
+    def start(self):
+        """Start the persistent kernel (created with ``start=False``); starting twice does nothing."""
+        if self._h is None:
+            raise ValueError("this Prefetcher is closed")
+        _C.prefetcher_start(self._h, self._dev)
+        self.started = True
 
     def _live(self):
         if self._h is None:

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 9
+#define GVR_ABI_VERSION 10
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -495,6 +495,8 @@ typedef struct {
     int64_t *counts; /* nullable */
     int32_t method;
     int32_t max_ctas; /* the gather kernel's CTAs (0: the library's choice) */
+    int32_t cta_warps;  /* warps per gather CTA, 1..8 (0: the library's choice) */
+    int32_t lane_loads; /* 16-byte loads in flight per lane, 4, 8 or 16 (0: the library's choice) */
     /* GVR_PREFETCH_MEMCPY: the host plan's moves, pairs (host page, staging page), n_moves of them (host
      * memory); plan_slot_map / plan_counts (nullable): the host plan's slot map (contiguous [B, max_pages])
      * and counts, copied into slot_map (then contiguous) and counts on the stream */
@@ -544,9 +546,14 @@ typedef struct {
     int64_t timeout_ns;
     void *slot_workspace; /* device memory: depth slots of slot_ws_bytes each (gvr_sparda_prefetch_workspace_size) */
     size_t slot_ws_bytes;
+    int32_t cta_warps, lane_loads; /* the gather CTAs' shape, as in gvr_prefetch_params (0: the library's choice) */
+    int32_t start;                 /* nonzero: start the persistent kernel now; else gvr_prefetcher_start */
 } gvr_prefetcher_config;
 
+/* create; start (the persistent kernel, once: submits and waits may be captured into a CUDA graph before
+ * it starts, when a capture's device-wide synchronization cannot wait for it) */
 int gvr_prefetcher_create(const gvr_prefetcher_config *c, void **handle);
+int gvr_prefetcher_start(void *handle);
 int gvr_prefetcher_submit(void *handle, const gvr_prefetch_params *p, int64_t *ticket, void *stream);
 int gvr_prefetcher_wait(void *handle, const int64_t *ticket, void *stream);
 /* host reads of the prefetcher's state: error code (0 none), requests completed, and whether it runs */
@@ -592,6 +599,7 @@ int gvr_cuda_host_device_pointer(const void *ptr, size_t bytes, void **device_pt
     X(int, sparda_prefetch, gvr_sparda_prefetch, (const gvr_prefetch_params *, void *, size_t, void *)) \
     X(int, sparda_kv_store, gvr_sparda_kv_store, (const gvr_kv_store_params *, void *))                \
     X(int, prefetcher_create, gvr_prefetcher_create, (const gvr_prefetcher_config *, void **))          \
+    X(int, prefetcher_start, gvr_prefetcher_start, (void *)) \
     X(int, prefetcher_submit, gvr_prefetcher_submit, (void *, const gvr_prefetch_params *, int64_t *, void *)) \
     X(int, prefetcher_wait, gvr_prefetcher_wait, (void *, const int64_t *, void *))                  \
     X(int, prefetcher_status, gvr_prefetcher_status, (void *, int32_t *, int64_t *, int32_t *))      \

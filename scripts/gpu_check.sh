@@ -16,7 +16,9 @@
 #   topkpt   topk_decode's page-table transform: GPU tests, top-k sanitizer cases, benchmarks/bench_page_table.py
 #   sparda   issue 14's pieces (compressed keys, forecast_select, prefetch, host cache): GPU tests, sanitizer
 #   spardabench  benchmarks/bench_sparda.py -> $OUT/results_sparda_cuda.json, bench_sparda.log
-#   prefetcher  the persistent gvr.sparda.Prefetcher's GPU tests and timing (gated until they pass; short timeouts)
+#   prefetcher  the persistent gvr.sparda.Prefetcher's GPU tests and eager timing (apart, short timeouts)
+#   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
+#   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
@@ -140,21 +142,33 @@ sparda() {  # issue 14's pieces: their GPU tests, sanitizer (compressed keys are
   sanitize sparda
 }
 
-prefetcher() {  # the persistent Prefetcher (gated until this passes): its GPU tests alone, short timeouts (a
+prefetcher() {  # the persistent Prefetcher: its GPU tests alone, short timeouts (a
   # persistent kernel that never stops hangs the process: timeout kills it; faulthandler shows where), with
   # CUDA's default lazy loading first, then with eager loading if that failed; then its benchmark section
   local rc=0 loading
   for loading in LAZY EAGER; do
     say "GPU tests (Prefetcher, CUDA_MODULE_LOADING=$loading)"
-    (cd tests && CUDA_MODULE_LOADING=$loading GVR_TEST_PREFETCHER=1 GVR_UNVERIFIED_CUDA=1 timeout -k 5 75 $PY -X faulthandler \
+    (cd tests && CUDA_MODULE_LOADING=$loading GVR_TEST_PREFETCHER=1 timeout -k 5 75 $PY -X faulthandler \
       -m pytest -v -p no:cacheprovider -o faulthandler_timeout=30 -m gpu -x -rs test_sparda_prefetcher.py) 2>&1 \
       | tee "$OUT/pytest_prefetcher_gpu_$loading.log" | tail -40
     rc=${PIPESTATUS[0]}; echo "exit $rc"
     [ "$rc" = 0 ] && break
   done
-  say "bench_sparda --prefetcher-only (CUDA_MODULE_LOADING=$loading)"
-  (cd /tmp && CUDA_MODULE_LOADING=$loading GVR_UNVERIFIED_CUDA=1 timeout -k 5 90 $PY -X faulthandler \
-    "$ROOT/benchmarks/bench_sparda.py" --prefetcher-only --json "$OUT/results_prefetcher_cuda.json") 2>&1 | tee "$OUT/bench_prefetcher.log" | tail -12
+  say "bench_sparda --only prefetcher (CUDA_MODULE_LOADING=$loading)"
+  (cd /tmp && CUDA_MODULE_LOADING=$loading timeout -k 5 90 $PY -X faulthandler \
+    "$ROOT/benchmarks/bench_sparda.py" --only prefetcher --json "$OUT/results_prefetcher_cuda.json") 2>&1 | tee "$OUT/bench_prefetcher.log" | tail -12
+}
+
+spardashapes() {  # bench_sparda --only shapes: the gather CTA shapes (bandwidth, matmul slowdown, idle Prefetcher)
+  say "bench_sparda --only shapes"
+  (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only shapes \
+    --json "$OUT/results_sparda_shapes.json") 2>&1 | tee "$OUT/bench_sparda_shapes.log" | tail -16
+}
+
+spardapipe() {  # bench_sparda --only pipeline: both layer stand-ins, every schedule, the Prefetcher's graph
+  say "bench_sparda --only pipeline"
+  (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeline \
+    --json "$OUT/results_sparda_pipeline.json") 2>&1 | tee "$OUT/bench_sparda_pipeline.log" | tail -16
 }
 
 spardabench() {  # benchmarks/bench_sparda.py: gathers per method, matmul slowdown, resident bytes, the layer pipeline
@@ -196,6 +210,8 @@ for mode in "${@:-check}"; do
     topkpt) topkpt ;;
     sparda) sparda ;;
     spardabench) spardabench ;;
+    spardashapes) spardashapes ;;
+    spardapipe) spardapipe ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
     build) ;;

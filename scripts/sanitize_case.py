@@ -191,7 +191,11 @@ if only in (None, "sparda"):
     want = gvr.sparda.prefetch(hk, hv, ix, hdk, hdv, block_table=bt)
     m2 = gvr.sparda.prefetch(hk, hv, (ix + 1).to(dev), dk, dv, block_table=bt.to(dev), resident=m)
     gvr.sparda.prefetch(hk, hv, ix + 1, dk, dv, block_table=bt, resident=m.cpu(), method="memcpy")
+    for warps, loads in ((1, 4), (3, 8)):  # slim gather CTAs
+        m3 = gvr.sparda.prefetch(hk, hv, ix.to(dev), dk, dv, block_table=bt.to(dev), max_ctas=5, cta_warps=warps,
+                                 lane_loads=loads)
     torch.cuda.synchronize()
+    assert torch.equal(m3.cpu(), want), "prefetch slot map (slim CTAs)"
     assert torch.equal(m.cpu(), want), "prefetch slot map"
     del hk, hv
     print("sanitize case: prefetch ran")

@@ -8,7 +8,7 @@ error; HostKVCache's views, append (against the reference store), close / Buffer
 
 GPU tests (marked gpu; the ``cuda`` fixture) hold the CUDA paths (method "kernel" and "memcpy") to the C
 CPU path byte for byte, chains of resident maps, pageable memory refused, graph capture of
-forecast_select -> prefetch -> sparse_attention, determinism, max_ctas."""
+forecast_select -> prefetch -> sparse_attention, determinism, max_ctas and the gather CTAs' shape."""
 from __future__ import annotations
 
 import gc
@@ -266,7 +266,7 @@ def test_methods_and_max_ctas_same_on_cpu():
     d0 = kv_pair(rng, S, 16, 2, 16, "float16")
     results = []
     for kw in ({}, dict(method="auto"), dict(method="kernel"), dict(method="memcpy"), dict(max_ctas=1),
-               dict(max_ctas=64, method="kernel")):
+               dict(max_ctas=64, method="kernel"), dict(cta_warps=1, lane_loads=4)):
         dk, dv = d0[0].copy(), d0[1].copy()
         check_against_reference(hk, hv, ix, dk, dv, bt, what=str(kw), **kw)
         results.append((bits(dk).copy(), bits(dv).copy()))
@@ -535,6 +535,10 @@ def test_bad_inputs_named_and_nothing_modified():
     bad(ValueError, "method", method="fast")
     bad(ValueError, "max_ctas", max_ctas=0)
     bad((TypeError, ValueError), "max_ctas", max_ctas=2.5)
+    bad(ValueError, "cta_warps", cta_warps=0)
+    bad(ValueError, "cta_warps", cta_warps=9)
+    bad(ValueError, "lane_loads", lane_loads=6)
+    bad((TypeError, ValueError), "lane_loads", lane_loads=4.0)
     bad(ValueError, "", hk, hv, ix, dk.reshape(S, P, Hkv * D), dv.reshape(S, P, Hkv * D))  # wrong ndim
 
 
@@ -945,6 +949,8 @@ def test_cuda_deterministic_and_max_ctas(gpu):
                                resident=torch_.from_numpy(res))
     runs = [dict(method="kernel")] * 20 + [dict(method="kernel", max_ctas=1), dict(method="kernel", max_ctas=64),
                                            dict(method="memcpy")]
+    runs += [dict(method="kernel", max_ctas=c, cta_warps=w, lane_loads=ll)
+             for c, w, ll in ((1, 1, 4), (64, 1, 4), (8, 2, 8), (3, 5, 16), (16, 8, 4))]
     for kw in runs:
         gk, gv = gk0.clone(), gv0.clone()
         counts = torch_.zeros(2, dtype=torch_.int64, device="cuda") if kw["method"] == "kernel" else None

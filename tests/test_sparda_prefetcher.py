@@ -1,10 +1,11 @@
 """gvr.sparda.Prefetcher, SparDA's persistent prefetcher: requests land in submission order and equal the
 stream-ordered prefetch's C path (slot maps and staged bytes) over a chain of resident maps; close() with
 requests in flight drains them; the watchdog turns a request that never completes into an error; bad use
-is named. GPU tests allocate everything before the prefetcher starts and synchronize on streams only (an
-allocation or a device-wide synchronization waits for the persistent kernel: documented), and close it
-in a finally. The CUDA path is gated (NotImplementedError unless GVR_UNVERIFIED_CUDA=1) until these GPU
-tests have passed: they run in `scripts/gpu_check.sh prefetcher`, apart, with a short timeout."""
+is named; a CUDA graph captured before the kernel starts replays while it runs; slim CTA shapes. GPU
+tests allocate everything before the prefetcher starts and synchronize on streams only (an allocation or
+a device-wide synchronization waits for the persistent kernel: documented), and close it in a finally.
+They run in `scripts/gpu_check.sh prefetcher` (GVR_TEST_PREFETCHER=1), apart, with a short timeout: a
+persistent kernel that hangs must not stall a whole GPU test run."""
 import os
 
 import pytest
@@ -16,27 +17,14 @@ torch = torch_or_none()
 
 
 @pytest.fixture
-def unverified(monkeypatch):
-    monkeypatch.setenv("GVR_UNVERIFIED_CUDA", "1")
-
-
-@pytest.fixture
-def gpu_run(unverified):
+def gpu_run():
     """the GPU tests run only where asked (scripts/gpu_check.sh prefetcher sets GVR_TEST_PREFETCHER=1): a hang
     of an unverified persistent kernel must not stall a whole GPU test run"""
     if os.environ.get("GVR_TEST_PREFETCHER") != "1":
         pytest.skip("the Prefetcher's GPU tests run in `scripts/gpu_check.sh prefetcher` (GVR_TEST_PREFETCHER=1)")
 
 
-def test_gated_until_verified(monkeypatch):
-    if torch is None:
-        pytest.skip("needs torch")
-    monkeypatch.delenv("GVR_UNVERIFIED_CUDA", raising=False)
-    with pytest.raises(NotImplementedError, match="GVR_UNVERIFIED_CUDA=1"):
-        gvr.sparda.Prefetcher(staging_pages=4, batch=1, max_pages=4, entries=4)
-
-
-def test_needs_cuda_cleanly(unverified):
+def test_needs_cuda_cleanly():
     if torch is None:
         pytest.skip("needs torch")
     if gpu_skip_reason() is None:
@@ -45,13 +33,17 @@ def test_needs_cuda_cleanly(unverified):
         gvr.sparda.Prefetcher(staging_pages=4, batch=1, max_pages=4, entries=4)
 
 
-def test_argument_checks(unverified):
+def test_argument_checks():
     if torch is None:
         pytest.skip("needs torch")
     with pytest.raises(ValueError, match="'depth'"):
         gvr.sparda.Prefetcher("cuda", staging_pages=4, batch=1, max_pages=4, entries=4, depth=0)
     with pytest.raises(TypeError, match="'ctas'"):
         gvr.sparda.Prefetcher("cuda", staging_pages=4, batch=1, max_pages=4, entries=4, ctas=2.0)
+    with pytest.raises(ValueError, match="'cta_warps' must be 1..8"):
+        gvr.sparda.Prefetcher("cuda", staging_pages=4, batch=1, max_pages=4, entries=4, cta_warps=9)
+    with pytest.raises(ValueError, match="'lane_loads' must be 4, 8 or 16"):
+        gvr.sparda.Prefetcher("cuda", staging_pages=4, batch=1, max_pages=4, entries=4, lane_loads=5)
 
 
 def _case(seed, P=16, Hkv=2, D=64, pages=96, B=2, maxp=40):
@@ -71,7 +63,8 @@ def _selection(g, B, n, maxp):
 
 
 @pytest.mark.gpu
-def test_requests_land_in_order_and_equal_the_c_path(gpu_run):
+@pytest.mark.parametrize("shape", [(None, None), (1, 4), (2, 8)])
+def test_requests_land_in_order_and_equal_the_c_path(gpu_run, shape):
     cache, bt, g = _case(1)
     B, n, maxp, S, steps = 2, 12, 40, 32, 40
     hk, hv = cache.k(0), cache.v(0)
@@ -89,7 +82,8 @@ def test_requests_land_in_order_and_equal_the_c_path(gpu_run):
     maps = [torch.empty(B, maxp, dtype=torch.int32, device="cuda") for _ in range(steps)]
     btd = bt.cuda()
     torch.cuda.synchronize()
-    pf = gvr.sparda.Prefetcher(staging_pages=S, batch=B, max_pages=maxp, entries=n, ctas=8, depth=4)
+    pf = gvr.sparda.Prefetcher(staging_pages=S, batch=B, max_pages=maxp, entries=n, ctas=8, depth=4,
+                               cta_warps=shape[0], lane_loads=shape[1])
     try:
         res, tickets = None, []
         for step in range(steps):  # 10x the queue's depth: submits wait for free slots
@@ -168,3 +162,62 @@ def test_many_prefetchers_open_and_close(gpu_run):
             assert not pf.closed
         assert pf.closed
     torch.cuda.synchronize()  # nothing left running
+
+
+@pytest.mark.gpu
+def test_graph_captured_before_start_replays_while_it_runs(gpu_run):
+    """two (submit, wait) pairs captured before the kernel starts (torch.cuda.graph synchronizes the
+    device), replayed three times while it runs with new selections copied in: every replay's slot maps
+    and staged bytes equal the C path's chain"""
+    cache, bt, g = _case(3)
+    B, n, maxp, S, R = 2, 12, 40, 32, 3
+    hk, hv = cache.k(0), cache.v(0)
+    dk = torch.zeros(S, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    dv = torch.zeros_like(dk)
+    btd = bt.cuda()
+    ix = [torch.zeros(B, 1, n, dtype=torch.int32, device="cuda") for _ in range(2)]
+    maps = [torch.full((B, maxp), -1, dtype=torch.int32, device="cuda") for _ in range(2)]
+    sels = [[_selection(g, B, n, maxp) for _ in range(2)] for _ in range(R)]
+    sels_d = [[x.cuda() for x in row] for row in sels]
+    got_maps = [[torch.empty(B, maxp, dtype=torch.int32, device="cuda") for _ in range(2)] for _ in range(R)]
+    got_k = [torch.empty_like(dk) for _ in range(R)]
+    got_v = [torch.empty_like(dk) for _ in range(R)]
+    torch.cuda.synchronize()
+    pf = gvr.sparda.Prefetcher(staging_pages=S, batch=B, max_pages=maxp, entries=n, ctas=4, depth=4, start=False)
+    try:
+        assert not pf.started
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.graph(graph, stream=side):
+            for i in range(2):
+                _, tk = pf.submit(hk, hv, ix[i], dk, dv, block_table=btd, resident=maps[1 - i], slot_map_out=maps[i])
+                pf.wait(tk)
+        for x in maps:  # the captured calls did not run: the chain starts from empty staging
+            x.fill_(-1)
+        torch.cuda.synchronize()
+        pf.start()
+        assert pf.started
+        main = torch.cuda.current_stream()
+        for r in range(R):  # device-to-device copies and a replay: nothing allocated, nothing loaded
+            for i in range(2):
+                ix[i].copy_(sels_d[r][i])
+            graph.replay()
+            for i in range(2):
+                got_maps[r][i].copy_(maps[i])
+            got_k[r].copy_(dk)
+            got_v[r].copy_(dv)
+        main.synchronize()
+        pf.check()
+    finally:
+        pf.close()
+    cres = None
+    ck, cv = torch.zeros(S, 16, 2, 64, dtype=torch.bfloat16), torch.zeros(S, 16, 2, 64, dtype=torch.bfloat16)
+    for r in range(R):
+        for i in range(2):
+            want = gvr.sparda.prefetch(hk, hv, sels[r][i], ck, cv, block_table=bt, resident=cres)
+            assert torch.equal(got_maps[r][i].cpu(), want), f"replay {r}, call {i}"
+            cres = want
+        live = cres[cres >= 0].long()
+        assert torch.equal(got_k[r].cpu()[live].view(torch.int16), ck[live].view(torch.int16))
+        assert torch.equal(got_v[r].cpu()[live].view(torch.int16), cv[live].view(torch.int16))
+    del hk, hv
+    cache.close()

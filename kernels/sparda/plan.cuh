@@ -17,9 +17,9 @@
 namespace gvr::sparda {
 
 constexpr int PLAN_THREADS = 1024;
-constexpr int GATHER_THREADS = 256;
-constexpr int PIECE_CHUNKS = 512; /* 16-byte chunks of a warp's piece: 8 KiB */
-constexpr int PER_LANE = PIECE_CHUNKS / 32;
+constexpr int GATHER_THREADS = 256;   /* the most threads of a gather CTA */
+constexpr int DEFAULT_CTA_WARPS = 8;  /* the gather CTAs' default shape: 8 warps, 16 loads of 16 bytes in */
+constexpr int DEFAULT_LANE_LOADS = 16; /* flight per lane (8 KiB per warp) */
 
 __host__ __device__ inline size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
@@ -184,7 +184,7 @@ __device__ __forceinline__ uint4 load_nc(const uint4 *a)
     return v;
 }
 
-/* one gather: moves (host page, staging page) pairs, K then V pages cut into pieces of PIECE_CHUNKS
+/* one gather: moves (host page, staging page) pairs, K then V pages cut into pieces of 32 * PER_LANE
  * 16-byte chunks; a warp moves one piece at a time, PER_LANE loads in flight per lane before the stores */
 struct GatherJob {
     const char *host_k, *host_v;
@@ -202,8 +202,10 @@ __host__ __device__ inline GatherJob job_of(const gvr_prefetch_params *p, const 
 }
 
 /* the pieces u = first, first + stride, ... of a job of n moves */
+template <int PER_LANE>
 __device__ __forceinline__ void gather_pieces(const GatherJob &j, long long n, long long first, long long stride)
 {
+    constexpr int PIECE_CHUNKS = PER_LANE * 32; /* 16-byte chunks of a warp's piece */
     const long long chunks = j.page_bytes / 16;
     const long long pieces_per_page = (chunks + PIECE_CHUNKS - 1) / PIECE_CHUNKS;
     const long long pieces = 2LL * n * pieces_per_page;
@@ -230,6 +232,13 @@ __device__ __forceinline__ void gather_pieces(const GatherJob &j, long long n, l
                 to[c] = v[i];
         }
     }
+}
+
+/* the gather of a job by every warp of the grid (blockDim.x a multiple of 32) */
+template <int PER_LANE> __device__ __forceinline__ void gather_grid(const GatherJob &j, long long n)
+{
+    const int warps = blockDim.x >> 5;
+    gather_pieces<PER_LANE>(j, n, (long long)blockIdx.x * warps + (threadIdx.x >> 5), (long long)gridDim.x * warps);
 }
 
 } // namespace gvr::sparda

@@ -5,10 +5,10 @@
  *
  * Plan: one CTA of 1024 threads runs the policy's steps with __syncthreads between them (owners by
  * atomicMin of the row-major block number, then block-wide scans in slot / row-major order: the same
- * result as csrc/cpu/sparda_cpu.c, whatever the timing). Gather: at most max_ctas CTAs of 8 warps; a warp
- * moves one 8 KiB piece of a page at a time, 16 loads of 16 bytes per lane in flight before their
- * stores (reads from pinned host memory cross PCIe: latency is hidden by bytes in flight). No
- * allocation, no host synchronization: graph-safe. */
+ * result as csrc/cpu/sparda_cpu.c, whatever the timing). Gather: at most max_ctas CTAs of cta_warps
+ * warps (default 16 of 8); a warp moves one piece of a page at a time, lane_loads loads of 16 bytes per
+ * lane in flight before their stores (default 16: 8 KiB a warp; reads from pinned host memory cross
+ * PCIe: latency is hidden by bytes in flight). No allocation, no host synchronization: graph-safe. */
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -36,11 +36,11 @@ __global__ void __launch_bounds__(PLAN_THREADS) plan_kernel(const gvr_prefetch_p
     plan_policy(p, w);
 }
 
+template <int PER_LANE>
 __global__ void __launch_bounds__(GATHER_THREADS) gather_kernel(const GatherJob j, const int32_t *n_moves)
 {
     pdl_enter();
-    gather_pieces(j, *n_moves, (long long)blockIdx.x * (GATHER_THREADS / 32) + (threadIdx.x >> 5),
-                  (long long)gridDim.x * (GATHER_THREADS / 32));
+    gather_grid<PER_LANE>(j, *n_moves);
 }
 
 /* one warp per token of a launch's chunk: skipped when a later token of the chunk names its slot (later
@@ -153,8 +153,15 @@ GVR_API int gvr_sparda_prefetch(const gvr_prefetch_params *p, void *workspace, s
             return gvr::set_error("gvr_sparda_prefetch: plan kernel", e);
     }
     const int ctas = p->max_ctas > 0 ? p->max_ctas : DEFAULT_CTAS;
-    gvr::LaunchConfig lc((unsigned)ctas, GATHER_THREADS, 0, 0, st);
-    if ((e = cudaLaunchKernelEx(&lc.cfg, gather_kernel, job_of(p, w.moves), (const int32_t *)w.n_moves)) != cudaSuccess)
+    const int warps = p->cta_warps > 0 ? p->cta_warps : DEFAULT_CTA_WARPS;
+    const int loads = p->lane_loads > 0 ? p->lane_loads : DEFAULT_LANE_LOADS;
+    gvr::LaunchConfig lc((unsigned)ctas, (unsigned)(32 * warps), 0, 0, st);
+    const GatherJob j = job_of(p, w.moves);
+    const int32_t *nm = w.n_moves;
+    e = loads == 4 ? cudaLaunchKernelEx(&lc.cfg, gather_kernel<4>, j, nm)
+        : loads == 8 ? cudaLaunchKernelEx(&lc.cfg, gather_kernel<8>, j, nm)
+                     : cudaLaunchKernelEx(&lc.cfg, gather_kernel<16>, j, nm);
+    if (e != cudaSuccess)
         return gvr::set_error("gvr_sparda_prefetch: gather kernel", e);
     return 0;
 }

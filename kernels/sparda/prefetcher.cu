@@ -12,7 +12,10 @@
  * CTA, once the request before it is complete (requests land in order), gathers its pieces of the job
  * (CTA-strided), then the last CTA to finish resets the slot's count
  * and releases completed = seq + 1. wait (one thread on the consumer's stream): acquires completed >=
- * ticket + 1 (bounded). Stop: the kernel leaves when the queue is empty and stop is set; abort: at once. */
+ * ticket + 1 (bounded). Stop: the kernel leaves when the queue is empty and stop is set; abort: at once.
+ * The persistent kernel starts at creation or later (gvr_prefetcher_start): submits and waits captured
+ * into a CUDA graph before it starts replay while it runs. Its CTAs have cta_warps warps with lane_loads
+ * loads in flight per lane (plan.cuh's gather). */
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -51,6 +54,9 @@ struct Handle {
     cudaStream_t stream;
     gvr_prefetcher_config cfg;
     int device;
+    void (*kernel)(Queue, Ctrl *, int); /* the persistent kernel's instance (lane_loads) */
+    int threads;
+    bool started;
 };
 
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long *p)
@@ -114,6 +120,7 @@ __global__ void __launch_bounds__(PLAN_THREADS) submit_kernel(const gvr_prefetch
     }
 }
 
+template <int PER_LANE>
 __global__ void __launch_bounds__(GATHER_THREADS) persistent_kernel(Queue q, Ctrl *ctrl, int depth)
 {
     __shared__ int go;
@@ -142,8 +149,7 @@ __global__ void __launch_bounds__(GATHER_THREADS) persistent_kernel(Queue q, Ctr
         __syncthreads();
         if (!go)
             break;
-        gather_pieces(r.job, r.n, (long long)blockIdx.x * (GATHER_THREADS / 32) + (threadIdx.x >> 5),
-                      (long long)gridDim.x * (GATHER_THREADS / 32));
+        gather_grid<PER_LANE>(r.job, r.n);
         __syncthreads();
         if (threadIdx.x == 0) {
             __threadfence();
@@ -176,13 +182,32 @@ __global__ void wait_kernel(Queue q, Ctrl *ctrl, const int64_t *ticket, long lon
 
 using namespace gvr::sparda;
 
+static void (*persistent_for(int loads))(Queue, Ctrl *, int)
+{
+    return loads == 4 ? persistent_kernel<4> : loads == 8 ? persistent_kernel<8> : persistent_kernel<16>;
+}
+
+static void release(Handle *h)
+{
+    if (h->stream)
+        cudaStreamDestroy(h->stream);
+    if (h->queue_mem)
+        cudaFree(h->queue_mem);
+    if (h->ctrl)
+        cudaFreeHost(h->ctrl);
+    delete h;
+}
+
 GVR_API int gvr_prefetcher_create(const gvr_prefetcher_config *c, void **handle)
 {
     cudaError_t e;
     int dev = 0, sms = 0, per_sm = 0;
+    const int warps = c->cta_warps > 0 ? c->cta_warps : DEFAULT_CTA_WARPS;
+    const int loads = c->lane_loads > 0 ? c->lane_loads : DEFAULT_LANE_LOADS;
+    void (*kernel)(Queue, Ctrl *, int) = persistent_for(loads);
     if ((e = cudaGetDevice(&dev)) != cudaSuccess ||
         (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
-        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_kernel, GATHER_THREADS, 0)) != cudaSuccess)
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * warps, 0)) != cudaSuccess)
         return gvr::set_error("gvr_prefetcher_create: device query", e);
     /* CUDA's lazy loading loads a kernel at its first launch, and loading may synchronize the context: a
      * first submit or wait launched while the persistent kernel spins would wait for it, and it for them.
@@ -197,19 +222,22 @@ GVR_API int gvr_prefetcher_create(const gvr_prefetcher_config *c, void **handle)
                                 c->ctas, sms * per_sm);
     Handle *h = new Handle();
     h->cfg = *c;
+    h->kernel = kernel;
+    h->threads = 32 * warps;
+    h->device = dev;
     const int depth = c->depth;
     const size_t bytes = align256((size_t)depth * sizeof(Request)) + align256((size_t)depth * 8) +
                          align256((size_t)depth * 4) + 256;
-    if ((e = cudaGetDevice(&h->device)) != cudaSuccess ||
-        (e = cudaHostAlloc((void **)&h->ctrl, sizeof(Ctrl), cudaHostAllocMapped | cudaHostAllocPortable)) != cudaSuccess) {
-        delete h;
+    if ((e = cudaHostAlloc((void **)&h->ctrl, sizeof(Ctrl), cudaHostAllocMapped | cudaHostAllocPortable)) != cudaSuccess) {
+        h->ctrl = nullptr;
+        release(h);
         return gvr::set_error("gvr_prefetcher_create: pinned control block", e);
     }
     h->ctrl->stop = h->ctrl->abort = h->ctrl->error = h->ctrl->running = 0;
     if ((e = cudaHostGetDevicePointer((void **)&h->ctrl_dev, h->ctrl, 0)) != cudaSuccess ||
         (e = cudaMalloc(&h->queue_mem, bytes)) != cudaSuccess) {
-        cudaFreeHost(h->ctrl);
-        delete h;
+        h->queue_mem = nullptr;
+        release(h);
         return gvr::set_error("gvr_prefetcher_create: queue", e);
     }
     char *m = (char *)h->queue_mem;
@@ -224,20 +252,27 @@ GVR_API int gvr_prefetcher_create(const gvr_prefetcher_config *c, void **handle)
     if ((e = cudaStreamCreateWithFlags(&h->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaMemsetAsync(h->queue_mem, 0, bytes, h->stream)) != cudaSuccess ||
         (e = cudaStreamSynchronize(h->stream)) != cudaSuccess) {
-        cudaFree(h->queue_mem);
-        cudaFreeHost(h->ctrl);
-        delete h;
+        release(h);
         return gvr::set_error("gvr_prefetcher_create: stream", e);
     }
-    persistent_kernel<<<c->ctas, GATHER_THREADS, 0, h->stream>>>(h->q, h->ctrl_dev, depth);
-    if ((e = cudaGetLastError()) != cudaSuccess) {
-        cudaStreamDestroy(h->stream);
-        cudaFree(h->queue_mem);
-        cudaFreeHost(h->ctrl);
-        delete h;
-        return gvr::set_error("gvr_prefetcher_create: launching the persistent kernel", e);
+    if (c->start && gvr_prefetcher_start(h)) {
+        release(h);
+        return 1;
     }
     *handle = h;
+    return 0;
+}
+
+GVR_API int gvr_prefetcher_start(void *handle)
+{
+    Handle *h = (Handle *)handle;
+    if (h->started)
+        return 0;
+    h->kernel<<<h->cfg.ctas, h->threads, 0, h->stream>>>(h->q, h->ctrl_dev, h->cfg.depth);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return gvr::set_error("gvr_prefetcher_start: launching the persistent kernel", e);
+    h->started = true;
     return 0;
 }
 
@@ -296,16 +331,13 @@ GVR_API int gvr_prefetcher_close(void *handle, int64_t timeout_ms)
 {
     Handle *h = (Handle *)handle;
     h->ctrl->stop = 1;
-    if (!stopped_within(h->stream, timeout_ms)) {
+    if (h->started && !stopped_within(h->stream, timeout_ms)) {
         h->ctrl->abort = 1;
         if (!stopped_within(h->stream, 1000))
             return gvr::set_message(3, "gvr_prefetcher_close: the persistent kernel did not stop (its memory stays "
                                        "allocated)");
     }
     cudaGetLastError();
-    cudaStreamDestroy(h->stream);
-    cudaFree(h->queue_mem);
-    cudaFreeHost(h->ctrl);
-    delete h;
+    release(h);
     return 0;
 }
