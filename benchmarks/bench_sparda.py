@@ -214,7 +214,7 @@ def main():
         print(f"# wrote {args.json}")
 
 
-SHAPES = ((16, 8, 16), (4, 8, 16), (16, 2, 8), (16, 1, 16), (32, 1, 8), (64, 1, 4), (128, 1, 4), (32, 2, 4))
+SHAPES = ((16, 8, 16), (32, 2, 4), (64, 1, 4), ("tma", 1), ("tma", 2), ("tma", 4), ("tma", 8))
 
 
 def shapes(gvr, torch, timer):
@@ -253,9 +253,16 @@ def shapes(gvr, torch, timer):
     sm = torch.empty((1, pages), dtype=torch.int32, device=dev)
     alone = mm_time()
     out = []
-    for ctas, warps, loads in SHAPES:
-        kw = dict(max_ctas=ctas, cta_warps=warps, lane_loads=loads, method="kernel")
-        row = {"ctas": ctas, "warps": warps, "lane_loads": loads, "bytes_in_flight": ctas * warps * 32 * loads * 16}
+    for shape in SHAPES:
+        if shape[0] == "tma":  # the bulk-copy gather: one thread per CTA, 176 KiB of loads in flight each
+            ctas, warps, loads = shape[1], 1, None
+            kw = dict(max_ctas=ctas, method="tma")
+            row = {"method": "tma", "ctas": ctas, "bytes_in_flight": ctas * 11 * 16384}
+        else:
+            ctas, warps, loads = shape
+            kw = dict(max_ctas=ctas, cta_warps=warps, lane_loads=loads, method="kernel")
+            row = {"method": "kernel", "ctas": ctas, "warps": warps, "lane_loads": loads,
+                   "bytes_in_flight": ctas * warps * 32 * loads * 16}
         for n in (32, 512):
             ix = sels[n]
             dk, dv = dst[n]
@@ -272,11 +279,12 @@ def shapes(gvr, torch, timer):
         row["matmul_slowdown"] = with_g / alone - 1.0
         row["ok"] = ok
         out.append(row)
-        print(f"shape {ctas} CTAs x {warps} warps x {loads} loads ({row['bytes_in_flight'] >> 10} KiB in flight): "
+        what = f"tma {ctas} CTAs" if loads is None else f"kernel {ctas} CTAs x {warps} warps x {loads} loads"
+        print(f"shape {what} ({row['bytes_in_flight'] >> 10} KiB in flight): "
               f"32 blocks {row['us_32']:.1f} us ({row['gbps_32']:.1f} GB/s), 512 blocks {row['us_512']:.0f} us "
               f"({row['gbps_512']:.1f} GB/s); matmul {alone:.0f} us alone, +{100 * row['matmul_slowdown']:.1f}% "
               f"under the gathers{'' if ok else ' MISMATCH'}", flush=True)
-    for ctas, warps, loads in ((16, 8, 16), (16, 1, 4), (64, 1, 4)):
+    for ctas, warps, loads in ((16, 8, 16), (4, 1, 4)):
         torch.cuda.synchronize()
         pf = gvr.sparda.Prefetcher(staging_pages=32, batch=1, max_pages=pages, entries=32, ctas=ctas, cta_warps=warps,
                                    lane_loads=loads)
@@ -326,7 +334,6 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
     maps = [[torch.full((1, pages), -1, dtype=torch.int32, device=dev) for _ in range(2)] for _ in range(L)]
     sel = [torch.empty((1, 1, k), dtype=torch.int32, device=dev) for _ in range(L)]
     F = [torch.randn(1, 1, D, generator=g).to(bf).to(dev) for _ in range(L)]
-    noise = [torch.randn(1, 1, D, generator=g).to(bf).to(dev) for _ in range(L)]
     q = torch.randn(1, Hq, D, dtype=bf, device=dev)
     if layer == "light":  # the FFN stand-in of session 8: one 4096 x 28672 bf16 matmul (235 MB read per layer)
         shapes = [(4096, 28672)]
@@ -339,14 +346,16 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
     step_box = [0]
 
     def select(l):
-        F[l].mul_(0.9).add_(noise[l], alpha=0.45)  # the Forecast drifts step to step
+        F[l].mul_(0.9).add_(0.45 * torch.randn_like(F[l]))  # the Forecast drifts step to step
         gvr.sparda.forecast_select(F[l], ktil[l], k, lengths=nwin, kernel=1, stride=1,
                                    init_blocks=1, local_blocks=2, out=sel[l])
+
+    method = ["kernel"]
 
     def fetch(l, stream=None):
         cur, prev = maps[l][step_box[0] % 2], maps[l][(step_box[0] + 1) % 2]
         gvr.sparda.prefetch(cache.k(l), cache.v(l), sel[l], stage[l][0], stage[l][1], block_table=block_table,
-                            resident=prev, slot_map_out=cur, stream=stream)
+                            resident=prev, slot_map_out=cur, stream=stream, method=method[0])
 
     def attend(l):
         cur = maps[l][step_box[0] % 2]
@@ -443,9 +452,16 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
     for name, fn in (("sync", step_sync), ("async", step_async), ("async3", step_async3), ("transfer", transfer_only),
                      ("transfer_ahead", lambda: transfer_only(1)), ("compute", compute_only)):
         r[name] = timer.graph(fn, 2, 10)["median_us"]
+    method[0] = "tma"  # the same schedules with the bulk-copy gather
+    for name, fn in (("sync_tma", step_sync), ("async3_tma", step_async3), ("transfer_tma", transfer_only),
+                     ("transfer_ahead_tma", lambda: transfer_only(1))):
+        r[name] = timer.graph(fn, 2, 10)["median_us"]
+    method[0] = "kernel"
     for name in ("async", "async3"):
         r[f"hidden_{name}"] = (r["sync"] - r[name]) / r["transfer"]
         r[f"hidden_ahead_{name}"] = (r["sync"] - r[name]) / r["transfer_ahead"]
+    r["hidden_async3_tma"] = (r["sync_tma"] - r["async3_tma"]) / r["transfer_tma"]
+    r["hidden_ahead_async3_tma"] = (r["sync_tma"] - r["async3_tma"]) / r["transfer_ahead_tma"]
     r["mean_blocks_moved_per_layer"] = sum(moved) / len(moved)
     r["blocks_per_layer"] = k
     if prefetcher:
@@ -458,7 +474,9 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
           f"; transfer alone {r['transfer']:.0f} us (layers 1-{L - 1}: {r['transfer_ahead']:.0f}), compute alone "
           f"{r['compute']:.0f} us -> hidden: async {100 * r['hidden_async']:.0f}% of all transfer / "
           f"{100 * r['hidden_ahead_async']:.0f}% of layers 1-{L - 1}'s; async3 {100 * r['hidden_async3']:.0f}% / "
-          f"{100 * r['hidden_ahead_async3']:.0f}%" + (f"; Prefetcher {100 * r['hidden_prefetcher']:.0f}% / "
+          f"{100 * r['hidden_ahead_async3']:.0f}%; with method tma: sync {r['sync_tma']:.0f} us, async3 "
+          f"{r['async3_tma']:.0f} us, transfer {r['transfer_tma']:.0f} us -> {100 * r['hidden_async3_tma']:.0f}% / "
+          f"{100 * r['hidden_ahead_async3_tma']:.0f}%" + (f"; Prefetcher {100 * r['hidden_prefetcher']:.0f}% / "
                                                        f"{100 * r['hidden_ahead_prefetcher']:.0f}%"
                                                        if r.get("prefetcher") else ""), flush=True)
     del stage, Ws

@@ -344,8 +344,8 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
     intptr_t stream;
     if (gvr_parse_nosync(o_nosync, 14, &nosync) < 0 || gvr_parse_stream(o_stream, &stream) < 0)
         goto fail;
-    if (method < GVR_PREFETCH_AUTO || method > GVR_PREFETCH_MEMCPY || max_ctas < 0) {
-        PyErr_Format(PyExc_ValueError, "'method' must be 0..2 and 'max_ctas' >= 0, got %d and %d", method, max_ctas);
+    if (method < GVR_PREFETCH_AUTO || method > GVR_PREFETCH_TMA || max_ctas < 0) {
+        PyErr_Format(PyExc_ValueError, "'method' must be 0..3 and 'max_ctas' >= 0, got %d and %d", method, max_ctas);
         goto fail;
     }
     if (gather_shape_ok(cta_warps, lane_loads) < 0)
@@ -454,14 +454,15 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
         if (!cu)
             goto fail;
         const int host_sel = sin.device != GVR_DEV_CUDA;
-        if (host_sel && method == GVR_PREFETCH_KERNEL) {
-            PyErr_SetString(PyExc_ValueError, "method 'kernel' plans on the device: 'indices', 'block_table' and 'resident' "
-                            "must be CUDA arrays (host selections go through method 'memcpy')");
+        if (host_sel && (method == GVR_PREFETCH_KERNEL || method == GVR_PREFETCH_TMA)) {
+            PyErr_Format(PyExc_ValueError, "method '%s' plans on the device: 'indices', 'block_table' and 'resident' "
+                         "must be CUDA arrays (host selections go through method 'memcpy')",
+                         method == GVR_PREFETCH_TMA ? "tma" : "kernel");
             goto fail;
         }
         if (!host_sel && method == GVR_PREFETCH_MEMCPY) {
             PyErr_SetString(PyExc_ValueError, "method 'memcpy' plans on the host: 'indices', 'block_table' and 'resident' "
-                            "must be host arrays (device selections go through method 'kernel')");
+                            "must be host arrays (device selections go through method 'kernel' or 'tma')");
             goto fail;
         }
         if (sin.device == GVR_DEV_CUDA && sin.device_id != din.device_id) {
@@ -469,10 +470,10 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
                          sin.device_id);
             goto fail;
         }
-        p.method = host_sel ? GVR_PREFETCH_MEMCPY : GVR_PREFETCH_KERNEL;
+        p.method = host_sel ? GVR_PREFETCH_MEMCPY : method == GVR_PREFETCH_TMA ? GVR_PREFETCH_TMA : GVR_PREFETCH_KERNEL;
         if (host_device_ptr(cu, hk, &p.host_k) < 0 || host_device_ptr(cu, hv, &p.host_v) < 0)
             goto fail;
-        if (p.method == GVR_PREFETCH_KERNEL &&
+        if (p.method != GVR_PREFETCH_MEMCPY &&
             (p.page_bytes % 16 || p.host_stride_k % 16 || p.host_stride_v % 16 || p.dst_stride_k % 16 ||
              p.dst_stride_v % 16 || (uintptr_t)p.host_k % 16 || (uintptr_t)p.host_v % 16 || (uintptr_t)p.dst_k % 16 ||
              (uintptr_t)p.dst_v % 16)) {
@@ -497,7 +498,7 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
                 gvr_cuda_raise("gvr_prefetcher_submit");
                 goto fail;
             }
-        } else if (p.method == GVR_PREFETCH_KERNEL) {
+        } else if (p.method != GVR_PREFETCH_MEMCPY) {
             const size_t wneed = cu->sparda_prefetch_workspace_size(&p);
             const size_t have = ws->data ? (size_t)ws->shape[0] : 0;
             if (have < wneed) {

@@ -277,7 +277,7 @@ def update_compressed_keys(ktilde, k_cache, block_table, start, end, *, kernel=3
 # --------------------------------------------------------------------------------------------------
 # the KV cache in pinned host memory, and prefetch of selected blocks into a GPU staging cache
 # --------------------------------------------------------------------------------------------------
-_METHODS = {"auto": 0, "kernel": 1, "memcpy": 2}
+_METHODS = {"auto": 0, "kernel": 1, "memcpy": 2, "tma": 3}
 
 
 def _torch_dtype(dtype):
@@ -454,7 +454,7 @@ def _gather_shape(cta_warps, lane_loads):
 def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream, method,
                   max_ctas, prefetcher=None, ticket=None, cta_warps=None, lane_loads=None):
     if not isinstance(method, str) or method not in _METHODS:
-        raise ValueError(f"'method' must be 'auto', 'kernel' or 'memcpy', got {method!r}")
+        raise ValueError(f"'method' must be 'auto', 'kernel', 'memcpy' or 'tma', got {method!r}")
     if max_ctas is not None:
         _check_int("max_ctas", max_ctas, 1)
     warps, loads = _gather_shape(cta_warps, lane_loads)

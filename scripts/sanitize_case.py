@@ -194,8 +194,10 @@ if only in (None, "sparda"):
     for warps, loads in ((1, 4), (3, 8)):  # slim gather CTAs
         m3 = gvr.sparda.prefetch(hk, hv, ix.to(dev), dk, dv, block_table=bt.to(dev), max_ctas=5, cta_warps=warps,
                                  lane_loads=loads)
+    m4 = gvr.sparda.prefetch(hk, hv, ix.to(dev), dk, dv, block_table=bt.to(dev), method="tma", max_ctas=3)
     torch.cuda.synchronize()
     assert torch.equal(m3.cpu(), want), "prefetch slot map (slim CTAs)"
+    assert torch.equal(m4.cpu(), want), "prefetch slot map (bulk copies)"
     assert torch.equal(m.cpu(), want), "prefetch slot map"
     del hk, hv
     print("sanitize case: prefetch ran")

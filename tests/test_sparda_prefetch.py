@@ -6,7 +6,7 @@ attention round trip (attention over the staging cache through the slot map equa
 host cache through the block table, bit for bit); determinism; bad inputs named and nothing modified on
 error; HostKVCache's views, append (against the reference store), close / BufferError / context manager.
 
-GPU tests (marked gpu; the ``cuda`` fixture) hold the CUDA paths (method "kernel" and "memcpy") to the C
+GPU tests (marked gpu; the ``cuda`` fixture) hold the CUDA paths (methods "kernel", "tma", "memcpy") to the C
 CPU path byte for byte, chains of resident maps, pageable memory refused, graph capture of
 forecast_select -> prefetch -> sparse_attention, determinism, max_ctas and the gather CTAs' shape."""
 from __future__ import annotations
@@ -266,7 +266,8 @@ def test_methods_and_max_ctas_same_on_cpu():
     d0 = kv_pair(rng, S, 16, 2, 16, "float16")
     results = []
     for kw in ({}, dict(method="auto"), dict(method="kernel"), dict(method="memcpy"), dict(max_ctas=1),
-               dict(max_ctas=64, method="kernel"), dict(cta_warps=1, lane_loads=4)):
+               dict(max_ctas=64, method="kernel"), dict(cta_warps=1, lane_loads=4), dict(method="tma"),
+               dict(method="tma", max_ctas=3)):
         dk, dv = d0[0].copy(), d0[1].copy()
         check_against_reference(hk, hv, ix, dk, dv, bt, what=str(kw), **kw)
         results.append((bits(dk).copy(), bits(dv).copy()))
@@ -780,7 +781,7 @@ def gpu(cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["kernel", "memcpy"])
+@pytest.mark.parametrize("method", ["kernel", "memcpy", "tma"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("P", [16, 64, 256])
@@ -802,7 +803,7 @@ def test_cuda_prefetch_equals_cpu(gpu, P, dtype, layout, method):
             cc = torch_.zeros(2, dtype=torch_.int64)
             want_sm = gvr.sparda.prefetch(hk, hv, torch_.from_numpy(ix), ck, cv,
                                           block_table=None if bt is None else torch_.from_numpy(bt), counts=cc)
-            gc_ = torch_.full((2,), -1, dtype=torch_.int64, device="cuda") if method == "kernel" else None
+            gc_ = torch_.full((2,), -1, dtype=torch_.int64, device="cuda") if method != "memcpy" else None
             sm = _cuda_call(torch_, hk, hv, ix, gk, gv, bt, None, method, **({"counts": gc_} if gc_ is not None else {}))
             torch_.cuda.synchronize()
             assert sm.is_cuda and sm.dtype == torch_.int32, what
@@ -815,7 +816,7 @@ def test_cuda_prefetch_equals_cpu(gpu, P, dtype, layout, method):
             want2 = gvr.sparda.prefetch(hk, hv, torch_.from_numpy(ix2), ck, cv,
                                         block_table=None if bt is None else torch_.from_numpy(bt),
                                         resident=want_sm)
-            res = sm if method == "kernel" else sm.cpu()
+            res = sm if method != "memcpy" else sm.cpu()
             sm2 = _cuda_call(torch_, hk, hv, ix2, gk, gv, bt, res, method)
             torch_.cuda.synchronize()
             assert np.array_equal(to_np(sm2), to_np(want2)), what + " (resident)"
@@ -888,7 +889,7 @@ def test_cuda_append_from_device_tensors(gpu, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["kernel", "memcpy"])
+@pytest.mark.parametrize("method", ["kernel", "memcpy", "tma"])
 def test_cuda_resident_chain(gpu, method):
     torch_ = gpu
     rng = np.random.default_rng(33 + len(method))
@@ -910,7 +911,7 @@ def test_cuda_resident_chain(gpu, method):
         assert same_bits(gk, ck) and same_bits(gv, cv), step
         if step:
             assert to_np(cc)[0] < to_np(cc)[1], step  # something was resident
-        res_g = sm if method == "kernel" else sm.cpu()
+        res_g = sm if method != "memcpy" else sm.cpu()
 
 
 @pytest.mark.gpu
@@ -951,9 +952,10 @@ def test_cuda_deterministic_and_max_ctas(gpu):
                                            dict(method="memcpy")]
     runs += [dict(method="kernel", max_ctas=c, cta_warps=w, lane_loads=ll)
              for c, w, ll in ((1, 1, 4), (64, 1, 4), (8, 2, 8), (3, 5, 16), (16, 8, 4))]
+    runs += [dict(method="tma", max_ctas=c) for c in (None, 1, 3, 64)]
     for kw in runs:
         gk, gv = gk0.clone(), gv0.clone()
-        counts = torch_.zeros(2, dtype=torch_.int64, device="cuda") if kw["method"] == "kernel" else None
+        counts = torch_.zeros(2, dtype=torch_.int64, device="cuda") if kw["method"] != "memcpy" else None
         extra = {"counts": counts} if counts is not None else {}
         sm = _cuda_call(torch_, hk, hv, ix, gk, gv, bt, res, **kw, **extra)
         torch_.cuda.synchronize()
@@ -962,8 +964,9 @@ def test_cuda_deterministic_and_max_ctas(gpu):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_select_prefetch_attend(gpu):
-    """forecast_select -> prefetch(method="kernel") -> sparse_attention captured in one CUDA graph: three
+@pytest.mark.parametrize("method", ["kernel", "tma"])
+def test_cuda_graph_select_prefetch_attend(gpu, method):
+    """forecast_select -> prefetch(method="kernel" / "tma") -> sparse_attention captured in one CUDA graph: three
     replays (new Forecast and queries each step, the slot map fed back) equal the eager chain bit for bit,
     and the eager attention equals attention over the whole cache on the device through the block table."""
     torch_ = gpu
@@ -999,7 +1002,7 @@ def test_cuda_graph_select_prefetch_attend(gpu):
     def step(bf):
         gvr.sparda.forecast_select(bf["F"], kt, k, lengths=lengths, kernel=P, stride=P, out=bf["idx"])
         gvr.sparda.prefetch(hk, hv, bf["idx"], bf["dk"], bf["dv"], block_table=bt, resident=bf["res"],
-                            slot_map_out=bf["sm"], counts=bf["counts"], method="kernel")
+                            slot_map_out=bf["sm"], counts=bf["counts"], method=method)
         gvr.sparse_attention(bf["q"], bf["dk"], bf["dv"], bf["idx"], lengths=lengths, block_table=bf["sm"],
                              block_size=P, out=bf["out"], lse=bf["lse"])
 

@@ -11,6 +11,8 @@
  * PCIe: latency is hidden by bytes in flight). No allocation, no host synchronization: graph-safe. */
 #include <cuda_runtime.h>
 
+#include <cuda/ptx>
+
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -41,6 +43,78 @@ __global__ void __launch_bounds__(GATHER_THREADS) gather_kernel(const GatherJob 
 {
     pdl_enter();
     gather_grid<PER_LANE>(j, *n_moves);
+}
+
+/* The bulk-copy gather (GVR_PREFETCH_TMA): one thread per CTA walks its pieces (CTA-strided, TMA_PIECE
+ * bytes at most, K then V of each move) through a ring of TMA_SLOTS pieces of shared memory: the load of a
+ * piece (cp.async.bulk global -> shared, completing on the slot's mbarrier) runs TMA_SLOTS - 1 pieces
+ * ahead of its store (cp.async.bulk shared -> global, one bulk group each); a slot is loaded again once
+ * the store before it has read it (wait_group.read 1). The CTA takes one SM whatever it moves; the copy
+ * engine of the SM does the work. */
+constexpr int TMA_PIECE = 16384;
+constexpr int TMA_SLOTS = 12; /* 192 KiB of shared memory */
+constexpr int DEFAULT_TMA_CTAS = 2;
+
+__device__ __forceinline__ void tma_piece(const GatherJob &j, long long u, long long per_page, const char *&src,
+                                          char *&dst, uint32_t &bytes)
+{
+    const long long m = u / (2 * per_page), r = u % (2 * per_page);
+    const int kv = (int)(r / per_page);
+    const long long off = (r % per_page) * TMA_PIECE;
+    const int32_t from = j.moves[2 * m], to = j.moves[2 * m + 1];
+    src = (kv ? j.host_v : j.host_k) + (long long)from * (kv ? j.hs_v : j.hs_k) + off;
+    dst = (kv ? j.dst_v : j.dst_k) + (long long)to * (kv ? j.ds_v : j.ds_k) + off;
+    bytes = (uint32_t)(j.page_bytes - off < TMA_PIECE ? j.page_bytes - off : TMA_PIECE);
+}
+
+__global__ void __launch_bounds__(32) tma_gather_kernel(const GatherJob j, const int32_t *n_moves)
+{
+#if __CUDA_ARCH__ >= 900
+    namespace ptx = cuda::ptx;
+    extern __shared__ __align__(128) char ring[];
+    __shared__ __align__(8) uint64_t full[TMA_SLOTS];
+    pdl_enter();
+    if (threadIdx.x != 0)
+        return;
+    const long long per_page = (j.page_bytes + TMA_PIECE - 1) / TMA_PIECE;
+    const long long total = 2LL * *n_moves * per_page;
+    const long long mine = total > blockIdx.x ? (total - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    if (mine == 0)
+        return;
+    for (int s = 0; s < TMA_SLOTS; s++)
+        ptx::mbarrier_init(&full[s], 1);
+    ptx::fence_proxy_async(ptx::space_shared); /* the barriers, seen by the bulk copies */
+    auto load = [&](long long i) {
+        const char *src;
+        char *dst;
+        uint32_t bytes;
+        tma_piece(j, blockIdx.x + i * gridDim.x, per_page, src, dst, bytes);
+        const int s = (int)(i % TMA_SLOTS);
+        ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &full[s], bytes);
+        ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, ring + (size_t)s * TMA_PIECE, src, bytes, &full[s]);
+    };
+    const long long ahead = TMA_SLOTS - 1;
+    for (long long i = 0; i < ahead && i < mine; i++)
+        load(i);
+    for (long long i = 0; i < mine; i++) {
+        const int s = (int)(i % TMA_SLOTS);
+        while (!ptx::mbarrier_try_wait_parity(&full[s], (uint32_t)((i / TMA_SLOTS) & 1)))
+            ;
+        const char *src;
+        char *dst;
+        uint32_t bytes;
+        tma_piece(j, blockIdx.x + i * gridDim.x, per_page, src, dst, bytes);
+        ptx::cp_async_bulk(ptx::space_global, ptx::space_shared, dst, ring + (size_t)s * TMA_PIECE, bytes);
+        ptx::cp_async_bulk_commit_group();
+        if (i + ahead < mine) { /* its slot is the one of piece i - 1: wait until that store has read it */
+            ptx::cp_async_bulk_wait_group_read(ptx::n32_t<1>());
+            load(i + ahead);
+        }
+    }
+    ptx::cp_async_bulk_wait_group(ptx::n32_t<0>()); /* written before the kernel ends */
+#else
+    __trap();
+#endif
 }
 
 /* one warp per token of a launch's chunk: skipped when a later token of the chunk names its slot (later
@@ -151,6 +225,17 @@ GVR_API int gvr_sparda_prefetch(const gvr_prefetch_params *p, void *workspace, s
         gvr::LaunchConfig lc(1, PLAN_THREADS, 0, 0, st);
         if ((e = cudaLaunchKernelEx(&lc.cfg, plan_kernel, *p, w)) != cudaSuccess)
             return gvr::set_error("gvr_sparda_prefetch: plan kernel", e);
+    }
+    if (p->method == GVR_PREFETCH_TMA) {
+        /* per call: the attribute belongs to the current device's context */
+        if ((e = cudaFuncSetAttribute(tma_gather_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      TMA_SLOTS * TMA_PIECE)) != cudaSuccess)
+            return gvr::set_error("gvr_sparda_prefetch: the bulk-copy gather's shared memory", e);
+        gvr::LaunchConfig lc((unsigned)(p->max_ctas > 0 ? p->max_ctas : DEFAULT_TMA_CTAS), 32, 0,
+                             (size_t)TMA_SLOTS * TMA_PIECE, st);
+        if ((e = cudaLaunchKernelEx(&lc.cfg, tma_gather_kernel, job_of(p, w.moves), (const int32_t *)w.n_moves)) != cudaSuccess)
+            return gvr::set_error("gvr_sparda_prefetch: bulk-copy gather kernel", e);
+        return 0;
     }
     const int ctas = p->max_ctas > 0 ? p->max_ctas : DEFAULT_CTAS;
     const int warps = p->cta_warps > 0 ? p->cta_warps : DEFAULT_CTA_WARPS;

@@ -300,9 +300,9 @@ GVR_API int gvr_prefetcher_wait(void *handle, const int64_t *ticket, void *strea
 GVR_API int gvr_prefetcher_status(void *handle, int32_t *error, int64_t *completed, int32_t *running)
 {
     Handle *h = (Handle *)handle;
+    /* mapped host memory only: no CUDA call (a stream query would invalidate a capture in progress) */
     *error = h->ctrl->error;
-    *running = cudaStreamQuery(h->stream) == cudaErrorNotReady;
-    cudaGetLastError();
+    *running = h->ctrl->running;
     *completed = -1; /* the counter lives in device memory: not read from the host while the kernel runs */
     return 0;
 }
