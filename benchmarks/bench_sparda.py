@@ -4,7 +4,8 @@ Sections (CUDA events around each eager call, end to end: plan + moves, the wrap
 when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
   gather    blocks of 64 tokens x Hkv 8 x D 128 x bf16 (128 KiB per page of K, as much of V) and of 16
             tokens, 1..2048 blocks at random host pages, per method: kernel (UVA gather, 16 CTAs, eager),
-            kernel_graph (the same in a CUDA graph: device time, no host work), kernel64 (64 CTAs), memcpy
+            kernel_graph (the same in a CUDA graph: device time, no host work), tma_graph (the bulk-copy
+            gather, 2 CTAs, in a graph), kernel64 (64 CTAs), memcpy
             (host plan, cudaMemcpyBatchAsync), torch (one copy_ per block: what a torch user writes),
             against contiguous (one copy_ of the same bytes from a pinned tensor: the ceiling)
   matmul    the slowdown of a concurrent bf16 matmul (8192^3) while each method gathers 512 64-token
@@ -59,7 +60,7 @@ def main():
         elif args.only == "shapes":
             r = {"header": meta, "shapes": shapes(gvr, torch, timer)}
         else:
-            r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay) for lay in ("light", "8b")]}
+            r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay) for lay in ("8b", "light")]}
         if args.json:
             H.write_json(args.json, r)
         return
@@ -73,7 +74,7 @@ def main():
 
     # ---- gather ------------------------------------------------------------------------------------
     counts_all = (1, 8, 32, 128, 512, 2048) if not args.quick else (1, 32, 512)
-    names = ("contiguous", "kernel", "kernel_graph", "kernel64", "memcpy", "torch")
+    names = ("contiguous", "kernel", "kernel_graph", "tma_graph", "kernel64", "memcpy", "torch")
     headers = (["P", "blocks", "MiB"] + list(names) + [f"GB/s {k}" for k in names] + ["check"])
     rows = []
     for P, pages in ((64, 4096), (16, 8192)):
@@ -103,6 +104,12 @@ def main():
             m = gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel")
             torch.cuda.synchronize()
             ok = _check(torch, hk, hv, dk, dv, sel, m)
+            dk.zero_()
+            dv.zero_()
+            t["tma_graph"] = timer.graph(lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="tma",
+                                                                     slot_map_out=sm_out), 5, 5)["median_us"]
+            torch.cuda.synchronize()
+            ok = ok and _check(torch, hk, hv, dk, dv, sel, sm_out)
             t["kernel64"] = timer.events(lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel", max_ctas=64),
                                          20)["median_us"]
             dk.zero_()
@@ -162,6 +169,7 @@ def main():
     for name, fn in (("kernel", lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel", stream=side)),
                      ("kernel4", lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="kernel", max_ctas=4,
                                                              stream=side)),
+                     ("tma", lambda: gvr.sparda.prefetch(hk, hv, ix_d, dk, dv, method="tma", stream=side)),
                      ("memcpy", lambda: gvr.sparda.prefetch(hk, hv, ix_h, dk, dv, method="memcpy", stream=side))):
         torch.cuda.synchronize()
         with torch.cuda.stream(side):
@@ -502,6 +510,7 @@ def _pipeline_prefetcher(gvr, torch, L, select, attend, cache, sel, stage, maps,
                              resident=prev, slot_map_out=cur)[1]
 
         def step():
+            main = torch.cuda.current_stream()  # the capturing stream
             step_box[0] += 1
             tk = [None] * L
             select(0)

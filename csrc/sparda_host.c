@@ -470,7 +470,8 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
                          sin.device_id);
             goto fail;
         }
-        p.method = host_sel ? GVR_PREFETCH_MEMCPY : method == GVR_PREFETCH_TMA ? GVR_PREFETCH_TMA : GVR_PREFETCH_KERNEL;
+        /* device selections: auto is resolved by the CUDA library (bulk copies on sm_90 and later) */
+        p.method = host_sel ? GVR_PREFETCH_MEMCPY : method;
         if (host_device_ptr(cu, hk, &p.host_k) < 0 || host_device_ptr(cu, hv, &p.host_v) < 0)
             goto fail;
         if (p.method != GVR_PREFETCH_MEMCPY &&

@@ -473,7 +473,8 @@ int gvr_sparda_compressed_keys(const gvr_sparda_ckeys_params *p, void *stream);
  * one copy per run of adjacent blocks through the copy engines, cudaMemcpyBatchAsync; slot_map and
  * counts come from the host plan, plan_slot_map / plan_counts) or GVR_PREFETCH_TMA (the plan kernel, then
  * a gather of max_ctas CTAs (default 2) of one thread that moves 16 KiB pieces through a ring of shared
- * memory with bulk copies, cp.async.bulk: host -> shared -> device memory; sm_90 and later; graph-safe). */
+ * memory with bulk copies, cp.async.bulk: host -> shared -> device memory; sm_90 and later; graph-safe);
+ * GVR_PREFETCH_AUTO with device selections: TMA where the library runs sm_90 code, else KERNEL. */
 enum { GVR_PREFETCH_AUTO = 0, GVR_PREFETCH_KERNEL = 1, GVR_PREFETCH_MEMCPY = 2, GVR_PREFETCH_TMA = 3 };
 
 typedef struct {

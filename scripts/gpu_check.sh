@@ -173,7 +173,7 @@ spardapipe() {  # bench_sparda --only pipeline: both layer stand-ins, every sche
 
 spardabench() {  # benchmarks/bench_sparda.py: gathers per method, matmul slowdown, resident bytes, the layer pipeline
   say "bench_sparda"
-  (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_sparda.py" --json "$OUT/results_sparda_cuda.json") 2>&1 | tee "$OUT/bench_sparda.log" | tail -40
+  (cd /tmp && timeout -k 5 540 $PY "$ROOT/benchmarks/bench_sparda.py" --json "$OUT/results_sparda_cuda.json") 2>&1 | tee "$OUT/bench_sparda.log" | tail -40
 }
 
 hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev_topk over overlaps 2-95%

@@ -221,12 +221,23 @@ GVR_API int gvr_sparda_prefetch(const gvr_prefetch_params *p, void *workspace, s
                                 gvr_sparda_prefetch_workspace_size(p));
     const Workspace w = carve(p, workspace);
     cudaError_t e;
+    int method = p->method;
+    if (method == GVR_PREFETCH_AUTO || method == GVR_PREFETCH_TMA) {
+        /* bulk copies where the kernel was compiled for sm_90 or later (auto: else the SM gather) */
+        cudaFuncAttributes fa;
+        const bool tma = cudaFuncGetAttributes(&fa, tma_gather_kernel) == cudaSuccess && fa.ptxVersion >= 90;
+        cudaGetLastError();
+        if (method == GVR_PREFETCH_TMA && !tma)
+            return gvr::set_message(1, "gvr_sparda_prefetch: method 'tma' needs a GPU of compute capability 9.0 or "
+                                       "later and gvr built for it (GVR_CUDA_ARCHS)");
+        method = tma ? GVR_PREFETCH_TMA : GVR_PREFETCH_KERNEL;
+    }
     {
         gvr::LaunchConfig lc(1, PLAN_THREADS, 0, 0, st);
         if ((e = cudaLaunchKernelEx(&lc.cfg, plan_kernel, *p, w)) != cudaSuccess)
             return gvr::set_error("gvr_sparda_prefetch: plan kernel", e);
     }
-    if (p->method == GVR_PREFETCH_TMA) {
+    if (method == GVR_PREFETCH_TMA) {
         /* per call: the attribute belongs to the current device's context */
         if ((e = cudaFuncSetAttribute(tma_gather_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       TMA_SLOTS * TMA_PIECE)) != cudaSuccess)
