@@ -55,6 +55,7 @@ constexpr int TMA_PIECE = 16384;
 constexpr int TMA_SLOTS = 12; /* 192 KiB of shared memory */
 constexpr int DEFAULT_TMA_CTAS = 2;
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void tma_piece(const GatherJob &j, long long u, long long per_page, const char *&src,
                                           char *&dst, uint32_t &bytes)
 {
@@ -66,6 +67,7 @@ __device__ __forceinline__ void tma_piece(const GatherJob &j, long long u, long 
     dst = (kv ? j.dst_v : j.dst_k) + (long long)to * (kv ? j.ds_v : j.ds_k) + off;
     bytes = (uint32_t)(j.page_bytes - off < TMA_PIECE ? j.page_bytes - off : TMA_PIECE);
 }
+#endif
 
 __global__ void __launch_bounds__(32) tma_gather_kernel(const GatherJob j, const int32_t *n_moves)
 {
