@@ -10,32 +10,37 @@
 #include "intake.h"
 #include "ops.h"
 
-enum { SCORES, PREV, LENGTHS, OUT, BT, OPOS, NARGS };
+enum { SCORES, PREV, LENGTHS, OUT, BT, OPOS, STARTS, NARGS };
 
 /* argument i's nosync bit is bit i (gvr/_interop.py sets them in this order) */
 static const gvr_arg_spec topk_args[NARGS] = {
     [SCORES] = {"scores", GVR_DT(GVR_DTYPE_F32), "B,N|N;B=1", GVR_HOST | GVR_DEVICE, GVR_UNIT_LAST, NULL, NULL},
-    [PREV] = {"prev_topk", GVR_DT(GVR_DTYPE_I32), "B,Kp|Kp", GVR_HOST | GVR_DEVICE, GVR_OPTIONAL | GVR_UNIT_LAST,
+    [PREV] = {"prev_topk", GVR_DT(GVR_DTYPE_I32), "Bp,Kp|Kp", GVR_HOST | GVR_DEVICE, GVR_OPTIONAL | GVR_UNIT_LAST,
               NULL, NULL},
-    [LENGTHS] = {"lengths", GVR_DT(GVR_DTYPE_I32), "B", GVR_HOST | GVR_DEVICE,
+    [LENGTHS] = {"lengths", GVR_DT(GVR_DTYPE_I32), "Bl", GVR_HOST | GVR_DEVICE,
                  GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
     [OUT] = {"out", GVR_DT(GVR_DTYPE_I32), "B,K|K", GVR_HOST | GVR_DEVICE, GVR_OUTPUT | GVR_ALLOC | GVR_UNIT_LAST,
              NULL, "scores"},
-    [BT] = {"block_table", GVR_DT(GVR_DTYPE_I32), "B,max_pages|max_pages", GVR_HOST | GVR_DEVICE,
+    [BT] = {"block_table", GVR_DT(GVR_DTYPE_I32), "Bt,max_pages|max_pages", GVR_HOST | GVR_DEVICE,
             GVR_OPTIONAL | GVR_UNIT_LAST, NULL, "scores"},
     [OPOS] = {"out_positions", GVR_DT(GVR_DTYPE_I32), "B,K|K", GVR_HOST | GVR_DEVICE,
               GVR_OPTIONAL | GVR_OUTPUT | GVR_UNIT_LAST, NULL, "scores"},
+    [STARTS] = {"row_starts", GVR_DT(GVR_DTYPE_I32), "B", GVR_HOST | GVR_DEVICE,
+                GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, "scores"},
 };
 const gvr_spec gvr_topk_spec = {"topk_decode", NARGS, topk_args};
 
 const char gvr_topk_doc[] =
     "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream, method, nosync, block_table, page_size,\n"
-    "            out_positions)\n--\n\n"
+    "            out_positions, row_starts, next_n)\n--\n\n"
     "Exact Top-K of each row of scores into out (int32). See gvr.topk_decode.\n"
     "block_table (int32 [B, max_pages]) with page_size: out holds physical slots, out_positions the positions.\n"
     "sorted: a bool. method: 'auto', 'gvr' or 'radix' (CUDA paths; the CPU has one implementation).\n"
     "stream: the CUDA stream of a call on CUDA buffers; host buffers ignore it.\n"
-    "nosync: bit i set (i = 0 scores, 1 prev_topk, 2 lengths, 3 out, 4 block_table, 5 out_positions) when\n"
+    "row_starts (int32 [B]): ragged rows; next_n: rows per request (lengths, prev_topk, block_table may\n"
+    "have one row per request).\n"
+    "nosync: bit i set (i = 0 scores, 1 prev_topk, 2 lengths, 3 out, 4 block_table, 5 out_positions,\n"
+    "6 row_starts) when\n"
     "that argument's\n"
     "producer runs on `stream` as its current stream: its DLPack export gets stream=-1.";
 
@@ -79,13 +84,54 @@ static int read_lengths(const int32_t *src, int64_t stride, int64_t B, int64_t N
     return 0;
 }
 
-static int run_cpu(gvr_topk_params *p, const gvr_view *ln, int32_t *len_copy)
+/* The CPU path's rows: per-row lengths (the per-request rule applied, clamped to [0, N - start]) in
+ * len_copy, checked starts in start_copy. Host row_starts must lie in [0, N] and, with per-row lengths,
+ * start + length <= N (ValueError otherwise). */
+static int host_rows(gvr_topk_params *p, const gvr_view *ln, const gvr_view *st, int32_t *len_copy,
+                     int32_t *start_copy)
 {
-    if (ln->data) {
-        if (read_lengths((const int32_t *)ln->data, ln->strides[0], p->B, p->N, len_copy) < 0)
-            return -1;
-        p->lengths = len_copy;
+    const int64_t B = p->B, N = p->N;
+    if (st->data) {
+        for (int64_t b = 0; b < B; b++) {
+            const int32_t s0 = ((const int32_t *)st->data)[b * st->strides[0]];
+            if (s0 < 0 || s0 > N) {
+                PyErr_Format(PyExc_ValueError, "'row_starts' must lie in [0, %lld], got row_starts[%lld] = %d",
+                             (long long)N, (long long)b, s0);
+                return -1;
+            }
+            start_copy[b] = s0;
+        }
+        p->row_starts = start_copy;
     }
+    if (!ln->data)
+        return 0;
+    const int per_req = (p->per_request & GVR_TOPK_LENGTHS_PER_REQUEST) != 0;
+    const int64_t nl = per_req ? B / p->next_n : B;
+    if (read_lengths((const int32_t *)ln->data, ln->strides[0], nl, N, len_copy) < 0)
+        return -1;
+    if (per_req) { /* expand, last request first (in place) */
+        for (int64_t b = B - 1; b >= 0; b--) {
+            const int64_t L = (int64_t)len_copy[b / p->next_n] - (p->next_n - 1 - b % p->next_n);
+            const int64_t room = N - (p->row_starts ? p->row_starts[b] : 0);
+            len_copy[b] = (int32_t)(L < 0 ? 0 : L > room ? room : L);
+        }
+        p->per_request &= ~GVR_TOPK_LENGTHS_PER_REQUEST;
+    } else if (p->row_starts) {
+        for (int64_t b = 0; b < B; b++)
+            if ((int64_t)len_copy[b] + p->row_starts[b] > N) {
+                PyErr_Format(PyExc_ValueError, "row %lld: row_starts + lengths = %d + %d exceeds the row of %lld scores",
+                             (long long)b, p->row_starts[b], len_copy[b], (long long)N);
+                return -1;
+            }
+    }
+    p->lengths = len_copy;
+    return 0;
+}
+
+static int run_cpu(gvr_topk_params *p, const gvr_intake *in, int32_t *len_copy, int32_t *start_copy)
+{
+    if (host_rows(p, &in->view[LENGTHS], &in->view[STARTS], len_copy, start_copy) < 0)
+        return -1;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = topk_decode_cpu(p);
@@ -130,15 +176,18 @@ static int run_cuda(gvr_topk_params *p, const gvr_intake *in, intptr_t stream, i
         return -1;
     }
     rc = 0;
+    if (in->view[STARTS].data)
+        p->row_starts = (const int32_t *)in->view[STARTS].data;
     if (ln->data) {
         p->lengths = (const int32_t *)ln->data;
         const char *chk = getenv("GVR_CHECK");
         if (chk && chk[0] == '1') {
             /* opt-in: validate device-resident lengths at the cost of a sync */
-            if (cu->copy_to_host(len_copy, ln->data, (size_t)p->B * sizeof *len_copy, (void *)stream)) {
+            const int64_t nl = p->per_request & GVR_TOPK_LENGTHS_PER_REQUEST ? p->B / p->next_n : p->B;
+            if (cu->copy_to_host(len_copy, ln->data, (size_t)nl * sizeof *len_copy, (void *)stream)) {
                 gvr_cuda_raise("reading 'lengths'");
                 rc = -1;
-            } else if (read_lengths(len_copy, 1, p->B, p->N, len_copy) < 0) {
+            } else if (read_lengths(len_copy, 1, nl, p->N, len_copy) < 0) {
                 rc = -1;
             }
         }
@@ -159,17 +208,18 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
     static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", "nosync",
-                             "block_table", "page_size", "out_positions", NULL};
-    PyObject *obj[NARGS] = {NULL, NULL, Py_None, Py_None, Py_None, Py_None};
+                             "block_table", "page_size", "out_positions", "row_starts", "next_n", NULL};
+    PyObject *obj[NARGS] = {NULL, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
     PyObject *o_k, *o_sorted = Py_False, *o_stream = Py_None, *o_method = NULL, *o_nosync = NULL, *o_page = Py_None;
+    PyObject *o_next = Py_None;
     PyObject *result = NULL;
-    int32_t *len_copy = NULL;
+    int32_t *len_copy = NULL, *start_copy = NULL;
     gvr_intake in;
     gvr_intake_init(&in);
     obj[OUT] = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOOO:topk_decode", kwlist, &obj[SCORES], &o_k, &obj[PREV],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOOOOO:topk_decode", kwlist, &obj[SCORES], &o_k, &obj[PREV],
                                      &obj[LENGTHS], &obj[OUT], &o_sorted, &o_stream, &o_method, &o_nosync, &obj[BT],
-                                     &o_page, &obj[OPOS]))
+                                     &o_page, &obj[OPOS], &obj[STARTS], &o_next))
         return NULL;
     unsigned nosync;
     int method, sorted;
@@ -183,6 +233,15 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     if (k > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "'k' must be at most %d, got %zd", INT32_MAX, k);
         goto fail;
+    }
+    Py_ssize_t next_n = 1;
+    if (o_next != Py_None) {
+        if (gvr_parse_int(o_next, "next_n", &next_n) < 0)
+            goto fail;
+        if (next_n < 1 || next_n > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "'next_n' must be an int >= 1 (rows per request), got %zd", next_n);
+            goto fail;
+        }
     }
     Py_ssize_t page = 0;
     if (obj[BT] != Py_None) {
@@ -216,6 +275,37 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
                      (long long)B, (long long)N);
         goto fail;
     }
+    if (B % next_n) {
+        PyErr_Format(PyExc_ValueError, "'next_n' = %zd must divide the number of rows B = %lld", next_n, (long long)B);
+        goto fail;
+    }
+    /* lengths, prev_topk, block_table: one row per row, or (next_n > 1) one per request */
+    int per_request = 0;
+    {
+        static const struct {
+            int arg;
+            const char *dim;
+            int flag;
+        } rows[] = {{LENGTHS, "Bl", GVR_TOPK_LENGTHS_PER_REQUEST},
+                    {PREV, "Bp", GVR_TOPK_PREV_PER_REQUEST},
+                    {BT, "Bt", GVR_TOPK_BT_PER_REQUEST}};
+        for (int i = 0; i < 3; i++) {
+            const gvr_view *v = &in.view[rows[i].arg];
+            if (!v->data || (rows[i].arg != LENGTHS && v->ndim < 2))
+                continue;
+            const int64_t r = gvr_intake_dim(&in, rows[i].dim);
+            if (r == B)
+                continue;
+            if (next_n > 1 && r * next_n == B) {
+                per_request |= rows[i].flag;
+                continue;
+            }
+            PyErr_Format(PyExc_ValueError, "'%s' must have %lld rows (one per row)%s, got %lld",
+                         gvr_topk_spec.args[rows[i].arg].name, (long long)B,
+                         next_n > 1 ? " or B / next_n (one per request)" : "", (long long)r);
+            goto fail;
+        }
+    }
     const int64_t Kp = pv->data ? gvr_intake_dim(&in, "Kp") : 0;
     if (Kp > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "'prev_topk' is too long");
@@ -234,6 +324,8 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     p.method = method;
     p.out = (int32_t *)ot->data;
     p.out_stride = one_d ? k : ot->strides[0];
+    p.next_n = (int32_t)next_n;
+    p.per_request = per_request;
     const gvr_view *bt = &in.view[BT], *op = &in.view[OPOS];
     if (bt->data) {
         const int64_t max_pages = gvr_intake_dim(&in, "max_pages");
@@ -243,21 +335,23 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
         }
         p.block_table = (const int32_t *)bt->data;
-        p.bt_stride = one_d ? 0 : bt->strides[0];
+        p.bt_stride = bt->ndim == 2 ? bt->strides[0] : 0; /* [max_pages]: one table for every row */
         p.page_size = (int32_t)page;
         p.out_pos = (int32_t *)op->data;
         p.out_pos_stride = op->data ? (one_d ? k : op->strides[0]) : 0;
     }
-    if (in.view[LENGTHS].data && !(len_copy = malloc((size_t)(B ? B : 1) * sizeof *len_copy))) {
+    if ((in.view[LENGTHS].data && !(len_copy = malloc((size_t)(B ? B : 1) * sizeof *len_copy))) ||
+        (in.view[STARTS].data && !(start_copy = malloc((size_t)(B ? B : 1) * sizeof *start_copy)))) {
         PyErr_NoMemory();
         goto fail;
     }
-    if ((in.device == GVR_DEV_CUDA ? run_cuda(&p, &in, stream, len_copy) : run_cpu(&p, &in.view[LENGTHS], len_copy)) < 0)
+    if ((in.device == GVR_DEV_CUDA ? run_cuda(&p, &in, stream, len_copy) : run_cpu(&p, &in, len_copy, start_copy)) < 0)
         goto fail;
     result = gvr_intake_object(&in, obj, OUT);
     Py_INCREF(result);
 fail:
     free(len_copy);
+    free(start_copy);
     gvr_intake_release(&in);
     return result;
 }

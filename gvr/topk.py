@@ -25,77 +25,106 @@ def _out_shape(scores, k):
     return (k,) if len(shape) == 1 else (int(shape[0]), k)
 
 
+def _flat_rows(scores, fw, row_starts):
+    """A flat scores buffer (``[N]`` or ``[1, N]``) with ``row_starts`` of B > 1 rows: the ``[B, N]`` view
+    of stride 0 over it (no copy), so every row reads the one buffer from its start."""
+    rs = getattr(row_starts, "shape", None)
+    sh = getattr(scores, "shape", None)
+    if rs is None or sh is None or len(rs) != 1 or int(rs[0]) <= 1 or not (len(sh) == 1 or (len(sh) == 2 and sh[0] == 1)):
+        return scores
+    B, N = int(rs[0]), int(sh[-1])
+    if fw == "torch":
+        return scores.reshape(1, N).expand(B, N)
+    if fw == "numpy":
+        import numpy as np
+        return np.broadcast_to(scores.reshape(1, N), (B, N))
+    if fw == "cupy":
+        import cupy
+        return cupy.broadcast_to(scores.reshape(1, N), (B, N))
+    return scores
+
+
 def _eager(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table=None, page_size=None,
-           out_positions=None):
+           out_positions=None, row_starts=None, next_n=None):
     fw = framework(scores)
+    if row_starts is not None:
+        scores = _flat_rows(scores, fw, row_starts)
     if out is None:
         out = empty(scores, fw, _out_shape(scores, k), "int32")
-    (s, p, n, o, bt, op), stream, nosync = prepare(fw, scores, (scores, prev_topk, lengths, out, block_table,
-                                                                out_positions), stream)
-    r = _C.topk_decode(s, k, p, n, o, sorted, stream, method, nosync, bt, page_size, op)
+    (s, p, n, o, bt, op, rs), stream, nosync = prepare(fw, scores, (scores, prev_topk, lengths, out, block_table,
+                                                                    out_positions, row_starts), stream)
+    r = _C.topk_decode(s, k, p, n, o, sorted, stream, method, nosync, bt, page_size, op, rs, next_n)
     return r if out is None else out
 
 
 # -- torch.library ops (used while torch.compile traces; eager calls run _eager directly) ----------
-def _impl(scores, k, prev_topk, lengths, sorted, method):
-    return _eager(scores, k, prev_topk, lengths, None, sorted, None, method)
+def _impl(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n=1):
+    return _eager(scores, k, prev_topk, lengths, None, sorted, None, method, row_starts=row_starts, next_n=next_n)
 
 
-def _fake(scores, k, prev_topk, lengths, sorted, method):
-    shape = (k,) if scores.dim() == 1 else (scores.shape[0], k)
+def _fake(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n=1):
+    if row_starts is not None and row_starts.shape[0] > 1:
+        shape = (row_starts.shape[0], k)
+    else:
+        shape = (k,) if scores.dim() == 1 else (scores.shape[0], k)
     return scores.new_empty(shape, dtype=sys.modules["torch"].int32)
 
 
-def _impl_out(scores, k, prev_topk, lengths, out, sorted, method):
-    _eager(scores, k, prev_topk, lengths, out, sorted, None, method)
+def _impl_out(scores, k, prev_topk, lengths, out, sorted, method, row_starts=None, next_n=1):
+    _eager(scores, k, prev_topk, lengths, out, sorted, None, method, row_starts=row_starts, next_n=next_n)
 
 
-def _fake_out(scores, k, prev_topk, lengths, out, sorted, method):
+def _fake_out(scores, k, prev_topk, lengths, out, sorted, method, row_starts=None, next_n=1):
     return None
 
 
 _ARGS = "Tensor scores, SymInt k, Tensor? prev_topk, Tensor? lengths"
-_op = define_op("topk_decode", f"({_ARGS}, bool sorted, str method) -> Tensor", impl=_impl, fake=_fake)
-_op_out = define_op("topk_decode_out", f"({_ARGS}, Tensor(a!) out, bool sorted, str method) -> ()",
+_ROWS = "Tensor? row_starts=None, int next_n=1"
+_op = define_op("topk_decode", f"({_ARGS}, bool sorted, str method, {_ROWS}) -> Tensor", impl=_impl, fake=_fake)
+_op_out = define_op("topk_decode_out", f"({_ARGS}, Tensor(a!) out, bool sorted, str method, {_ROWS}) -> ()",
                     impl=_impl_out, fake=_fake_out, mutates_args=("out",))
 
 
-def _impl_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method):
-    pos = _fake(scores, k, prev_topk, lengths, sorted, method)
+def _impl_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts=None, next_n=1):
+    pos = _fake(scores, k, prev_topk, lengths, sorted, method, row_starts, next_n)
     pos = sys.modules["torch"].empty_like(pos)
-    slots = _eager(scores, k, prev_topk, lengths, None, sorted, None, method, block_table, page_size, pos)
+    slots = _eager(scores, k, prev_topk, lengths, None, sorted, None, method, block_table, page_size, pos,
+                   row_starts, next_n)
     return slots, pos
 
 
-def _fake_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method):
-    return (_fake(scores, k, prev_topk, lengths, sorted, method), _fake(scores, k, prev_topk, lengths, sorted, method))
+def _fake_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts=None, next_n=1):
+    return (_fake(scores, k, prev_topk, lengths, sorted, method, row_starts, next_n),
+            _fake(scores, k, prev_topk, lengths, sorted, method, row_starts, next_n))
 
 
 _op_pt = define_op("topk_decode_page_table",
-                   f"({_ARGS}, Tensor block_table, int page_size, bool sorted, str method) -> (Tensor, Tensor)",
-                   impl=_impl_pt, fake=_fake_pt)
+                   f"({_ARGS}, Tensor block_table, int page_size, bool sorted, str method, {_ROWS}) -> "
+                   "(Tensor, Tensor)", impl=_impl_pt, fake=_fake_pt)
 
 
 def _traced(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table=None, page_size=None,
-            out_positions=None):
+            out_positions=None, row_starts=None, next_n=None):
     if stream is not None:
         raise ValueError("'stream' is not supported under torch.compile: call gvr.topk_decode inside "
                          "`with torch.cuda.stream(s):` instead")
+    nn = 1 if next_n is None else next_n
     if block_table is not None:
         if page_size is None:
             raise ValueError("'page_size' is required with 'block_table' (tokens per page, >= 1)")
-        slots, pos = _op_pt.call(scores, k, prev_topk, lengths, block_table, page_size, sorted, method)
+        slots, pos = _op_pt.call(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts,
+                                 nn)
         if out_positions is not None:
             out_positions.copy_(pos)
         return slots if out is None else out.copy_(slots)
     if out is None:
-        return _op.call(scores, k, prev_topk, lengths, sorted, method)
-    _op_out.call(scores, k, prev_topk, lengths, out, sorted, method)
+        return _op.call(scores, k, prev_topk, lengths, sorted, method, row_starts, nn)
+    _op_out.call(scores, k, prev_topk, lengths, out, sorted, method, row_starts, nn)
     return out
 
 
 def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=False, stream=None, method="auto",
-                block_table=None, page_size=None, out_positions=None):
+                block_table=None, page_size=None, out_positions=None, row_starts=None, next_n=None):
     """Exact Top-K of each row of ``scores``, warm-started by the previous decode step's Top-K.
 
     scores:    float32 ``[B, N]`` (or ``[N]``); unit stride along N, any row stride. NumPy arrays,
@@ -124,6 +153,18 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
                ``gvr.sparse_attention`` and FlashMLA take as token indices without a block table.
     out_positions: int32 like ``out``, with ``block_table`` only: receives the positions too (the
                next step's ``prev_topk``).
+    row_starts: int32 ``[B]`` or None: ragged rows (vLLM's prefill / MTP Top-K, FlashInfer's and
+               SGLang's ``row_starts``): row b is ``scores[b, row_starts[b] : row_starts[b] + lengths[b]]``
+               (to the end of the row without lengths), and its results are positions relative to
+               ``row_starts[b]`` (add it back for indices into the buffer: FlashInfer's ragged
+               transform). Scores of one row (``[N]`` or ``[1, N]``) with B > 1 starts: B rows over that
+               one flat buffer, no copy. Host values must lie in [0, N] with start + length <= N
+               (ValueError); device values are clamped.
+    next_n:    rows per request (MTP / speculative decoding: the next_n query rows of one request are
+               consecutive), B a multiple of it. Then ``lengths``, ``prev_topk`` and ``block_table``
+               may have one row per request (B / next_n rows) instead of one per row: the request's
+               hint and block table serve its rows, and row b's length is ``lengths[b // next_n] -
+               (next_n - 1 - b % next_n)`` (the causal rule of vLLM's decode Top-K), clamped at 0.
 
     Returns int32 indices: per row, the min(k, length) first elements of the order (value
     descending, -inf valid, NaN below -inf, -0.0 == +0.0, ties to the lower index), then -1.
@@ -133,5 +174,6 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
     """
     if compiling():
         return _traced(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table, page_size,
-                       out_positions)
-    return _eager(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table, page_size, out_positions)
+                       out_positions, row_starts, next_n)
+    return _eager(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table, page_size, out_positions,
+                  row_starts, next_n)

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 10
+#define GVR_ABI_VERSION 11
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -56,7 +56,15 @@ enum { GVR_TOPK_AUTO = 0, GVR_TOPK_GVR = 1, GVR_TOPK_RADIX = 2 };
  * positions, slot(p) = bt[p / page_size] * page_size + p % page_size with bt = block_table +
  * b*bt_stride (-1 stays -1; a page < 0 gives -1); every position < N must have its page in the row
  * (N <= max_pages * page_size, the intake checks). out_pos (nullable): the positions as well, row b
- * at out_pos[b*out_pos_stride + 0 .. k), -1 padded. */
+ * at out_pos[b*out_pos_stride + 0 .. k), -1 padded.
+ * row_starts (nullable; ragged rows, vLLM / FlashInfer / SGLang): row b is scores[b*row_stride + st_b ..
+ * + len_b) with st_b = clamp(row_starts[b], 0, N) and len_b clamped to [0, N - st_b] (N - st_b without
+ * lengths); results are positions relative to st_b. next_n >= 1 rows per request (MTP / speculative
+ * rows of one request are consecutive); per_request flags: GVR_TOPK_LENGTHS_PER_REQUEST -- lengths has
+ * one entry per request and row b's length is lengths[b / next_n] - (next_n - 1 - b % next_n) (the
+ * causal rule of vLLM's decode Top-K), GVR_TOPK_PREV_PER_REQUEST -- prev row b / next_n,
+ * GVR_TOPK_BT_PER_REQUEST -- block_table row b / next_n. */
+enum { GVR_TOPK_LENGTHS_PER_REQUEST = 1, GVR_TOPK_PREV_PER_REQUEST = 2, GVR_TOPK_BT_PER_REQUEST = 4 };
 typedef struct {
     const float *scores;
     int64_t row_stride;
@@ -76,6 +84,9 @@ typedef struct {
     int32_t page_size;
     int32_t *out_pos;
     int64_t out_pos_stride;
+    const int32_t *row_starts;
+    int32_t next_n;      /* 0 or 1: one row per request */
+    int32_t per_request; /* GVR_TOPK_*_PER_REQUEST flags */
 } gvr_topk_params;
 
 /* The kernels read each row in 16-byte aligned coordinates: position q holds element q - s, s = the
@@ -85,6 +96,8 @@ typedef struct {
 static inline int64_t gvr_topk_row_positions(const gvr_topk_params *p)
 {
     const int64_t s0 = (int64_t)(((uintptr_t)p->scores >> 2) & 3u);
+    if (p->row_starts)
+        return (int64_t)p->N + 3; /* rows start anywhere */
     return (int64_t)p->N + ((p->B <= 1 || p->row_stride % 4 == 0) ? s0 : 3);
 }
 

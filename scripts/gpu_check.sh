@@ -130,7 +130,7 @@ for c, r in b.table['contexts'].items(): print(c, {k: (round(v, 1) if isinstance
 
 topkpt() {  # issue 15's page-table transform: its GPU tests, the top-k sanitizer cases, its benchmark
   say "GPU tests (topk page table)"
-  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py) 2>&1 | tee "$OUT/pytest_topk_pt.log" | tail -6
+  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py test_topk_rows.py) 2>&1 | tee "$OUT/pytest_topk_pt.log" | tail -6
   sanitize topk
   say "bench_page_table"
   (cd /tmp && timeout 200 $PY "$ROOT/benchmarks/bench_page_table.py") 2>&1 | tee "$OUT/bench_page_table.log" | tail -14

@@ -62,6 +62,19 @@ if only in (None, "topk"):
             slots = gvr.topk_decode(xs, 300, block_table=bt, page_size=16, out_positions=pos, sorted=s, method=method)
             want = bt.long().gather(1, pos.long() // 16) * 16 + pos.long() % 16
             assert torch.equal(slots.long(), want), (s, method)
+    # ragged rows (row_starts, starts past the end clamped) and next_n = 2 per-request lengths and hint
+    st = torch.tensor([0, 3, 69000, 80000], dtype=torch.int32, device="cuda")
+    ln = torch.tensor([70001, 5000, 2000, 10], dtype=torch.int32, device="cuda")
+    xr = torch.from_numpy(rng.standard_normal((4, 70001)).astype(np.float32)).cuda()
+    prev2 = torch.randint(0, 70001, (2, 300), dtype=torch.int32, device="cuda")
+    for s in (False, True):
+        for method in ("gvr", "radix"):
+            got = gvr.topk_decode(xr, 300, row_starts=st, lengths=ln, sorted=s, method=method).cpu().numpy()
+            exp = gvr.topk_decode(xr.cpu().numpy(), 300, row_starts=np.array([0, 3, 69000, 70001], np.int32),
+                                  lengths=np.array([70001, 5000, 1001, 0], np.int32), sorted=s)
+            assert (np.array_equal(got, exp) if s else
+                    all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, exp))), (s, method)
+            got = gvr.topk_decode(xr, 300, lengths=ln[:2], next_n=2, prev_topk=prev2, sorted=s, method=method)
     torch.cuda.synchronize()
     print("sanitize case: top-k ok")
 

@@ -361,7 +361,7 @@ def _iso_cuda_stream_handshake():
             _C.topk_decode(fake, K, None, None, None, False, stream, "auto", nosync)
         assert [c["stream"] for c in fake.calls] == [want], (nosync, stream, fake.calls)
         fake.assert_ownership_ok()
-    for bad in (-1, 64, 1 << 70, "1", 1.0, True):  # 6 arguments: bits 0..5
+    for bad in (-1, 128, 1 << 70, "1", 1.0, True):  # 7 arguments: bits 0..6
         fake = _cuda_fake((B, N), np.float32)
         with pytest.raises(ValueError, match="nosync"):
             _C.topk_decode(fake, K, None, None, None, False, 5, "auto", bad)

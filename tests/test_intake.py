@@ -186,7 +186,7 @@ def test_each_dtype_is_read_from_numpy_and_dlpack(via):
             _raises(TypeError, f"'q' must be float32, float16 or bfloat16, got {name}", check, "attention", q=q,
                     indices=np.zeros((B, 1, 1), I32))
     r = check("topk_decode", scores=np.zeros((3, 9), F32), prev_topk=FakeDLPack(np.zeros((3, 2), I32)), K=4)
-    assert r["args"]["prev_topk"]["dtype"] == "int32" and r["dims"] == dict(B=3, N=9, Kp=2, K=4)
+    assert r["args"]["prev_topk"]["dtype"] == "int32" and r["dims"] == dict(B=3, N=9, Kp=2, K=4, Bp=3)
     _raises(TypeError, "'prev_topk' must be int32, got int64", check, "topk_decode", scores=np.zeros((3, 9), F32),
             prev_topk=FakeDLPack(np.zeros((3, 2), I64)), K=4)
 
@@ -202,10 +202,11 @@ def test_topk_spec_forms_and_allocation():
     out = r["allocated"]["out"]
     assert isinstance(out, np.ndarray) and out.shape == (4, 5) and out.dtype == np.int32
     r = check("topk_decode", scores=np.zeros(50, F32), prev_topk=np.zeros(7, I32), lengths=np.zeros(1, I32), K=3)
-    assert r["dims"] == dict(B=1, N=50, Kp=7, K=3)  # a 1-D row is a batch of one
+    assert r["dims"] == dict(B=1, N=50, Kp=7, K=3, Bl=1)  # a 1-D row is a batch of one
     assert r["args"]["scores"]["form"] == 1 and r["allocated"]["out"].shape == (3,)
-    _raises(ValueError, "'lengths' must have shape [1], got [2]: B = 1 (from 'scores')", check, "topk_decode",
-            scores=np.zeros(50, F32), lengths=np.zeros(2, I32), K=3)
+    # lengths' rows (one per row, or per request with next_n) are checked after the intake
+    _raises(ValueError, "'lengths' must have 1 rows (one per row), got 2", gvr.topk_decode, np.zeros(50, F32), 3,
+            lengths=np.zeros(2, I32))
     _raises(ValueError, "'out' must have shape [3] (as 'scores' has shape [N]), got [1, 3]", check, "topk_decode",
             scores=np.zeros(50, F32), out=np.zeros((1, 3), I32), K=3)
 
@@ -366,9 +367,14 @@ def test_outputs_must_be_writable():
 
 def test_errors_name_the_argument_for_every_topk_buffer():
     x = np.zeros((4, 50), F32)
-    for kw, name in ((dict(prev_topk=np.zeros((4, 2, 1), I32)), "prev_topk"), (dict(lengths=np.zeros(5, I32)),
+    for kw, name in ((dict(prev_topk=np.zeros((4, 2, 1), I32)), "prev_topk"), (dict(lengths=np.zeros((5, 1), I32)),
                      "lengths"), (dict(out=np.zeros((4, 6), I32)), "out")):
         with pytest.raises(ValueError, match=rf"^'{name}' must have shape"):
             check("topk_decode", scores=x, K=5, **kw)
+    # a row count that is neither B nor B / next_n: after the intake, named
+    for kw, name in ((dict(prev_topk=np.zeros((3, 2), I32)), "prev_topk"), (dict(lengths=np.zeros(5, I32)), "lengths"),
+                     (dict(block_table=np.zeros((3, 50), I32), page_size=1), "block_table")):
+        with pytest.raises(ValueError, match=rf"^'{name}' must have 4 rows \(one per row\) or B / next_n"):
+            gvr.topk_decode(x, 5, next_n=2, **kw)
     assert re.search(r"got \[4, 6\]", _raises(ValueError, "'out' must have shape [4, 5], got [4, 6]: K = 5 (from 'K')",
                                              check, "topk_decode", scores=x, K=5, out=np.zeros((4, 6), I32)))

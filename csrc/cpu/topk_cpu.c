@@ -801,20 +801,32 @@ static int topk_row(const float *x, int64_t L, const int32_t *prev, int64_t Kp, 
     return 0;
 }
 
+/* rows of the call per row of an argument given per request (gvr_topk_params.per_request) */
+static int64_t per_req_div(const gvr_topk_params *p, int flag)
+{
+    return (p->per_request & flag) && p->next_n > 1 ? p->next_n : 1;
+}
+
+/* the CPU path takes per-row lengths (the intake expands per-request ones) and checked starts */
+static int64_t row_len(const gvr_topk_params *p, int64_t b)
+{
+    return p->lengths ? p->lengths[b] : p->N - (p->row_starts ? p->row_starts[b] : 0);
+}
+
 static int topk_row_of(void *ctx, int64_t b)
 {
     const gvr_topk_params *p = ctx;
-    const int64_t L = p->lengths ? p->lengths[b] : p->N;
-    const int32_t *prev = p->prev ? p->prev + b * p->prev_stride : NULL;
+    const int32_t *prev = p->prev ? p->prev + b / per_req_div(p, GVR_TOPK_PREV_PER_REQUEST) * p->prev_stride : NULL;
     const int64_t Kp = p->prev ? p->Kp : 0;
-    return topk_row(p->scores + b * p->row_stride, L, prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
+    const float *row = p->scores + b * p->row_stride + (p->row_starts ? p->row_starts[b] : 0);
+    return topk_row(row, row_len(p, b), prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
 }
 
 int topk_decode_cpu(const gvr_topk_params *p)
 {
     int64_t work = 0; /* elements read, about: the sum of the row lengths */
     for (int64_t b = 0; b < p->B; b++)
-        work += p->lengths ? p->lengths[b] : p->N;
+        work += row_len(p, b);
     return gvr_parallel_rows(p->B, work, topk_row_of, (void *)p);
 }
 
@@ -824,7 +836,8 @@ void topk_map_cpu(const gvr_topk_params *p)
     for (int64_t b = 0; b < p->B; b++) {
         int32_t *o = p->out + b * p->out_stride;
         int32_t *op = p->out_pos ? p->out_pos + b * p->out_pos_stride : NULL;
-        const int32_t *bt = p->block_table ? p->block_table + b * p->bt_stride : NULL;
+        const int32_t *bt = p->block_table ? p->block_table + b / per_req_div(p, GVR_TOPK_BT_PER_REQUEST) * p->bt_stride
+                                           : NULL;
         for (int64_t j = 0; j < p->k; j++) {
             const int32_t x = o[j];
             if (op)

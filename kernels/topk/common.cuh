@@ -35,14 +35,40 @@ __device__ __forceinline__ uint32_t stored_key(float f) { return gvr_key_f32(f) 
 /* the value of a stored key in [2, KEY_POS_INF] */
 __device__ __forceinline__ float key_value(uint32_t sk) { return gvr_key_to_f32(sk - 1u); }
 
-/* a row's length: lengths[row] clamped to [0, N] (device-resident lengths are not checked on the
- * host; GVR_CHECK=1 validates them there), or N */
-__device__ __forceinline__ int row_length(int N, const int *lengths, int row)
+/* The rows of a call (gvr_topk_params): lengths (per row, or per request of next_n rows), ragged
+ * starts. Device-resident values are not checked on the host (GVR_CHECK=1 validates lengths there):
+ * they are clamped. */
+struct RowGeom {
+    const int *lengths;
+    const int *starts;
+    int next_n;
+    bool len_per_req;
+};
+
+inline RowGeom row_geom(const gvr_topk_params *p)
 {
-    if (!lengths)
-        return N;
-    const int L = lengths[row];
-    return L < 0 ? 0 : (L > N ? N : L);
+    return RowGeom{p->lengths, p->row_starts, p->next_n > 1 ? p->next_n : 1,
+                   (p->per_request & GVR_TOPK_LENGTHS_PER_REQUEST) != 0};
+}
+
+/* where row `row` starts in its scores row: clamp(starts[row], 0, N), or 0 */
+__device__ __forceinline__ int row_start(int N, const RowGeom &g, int row)
+{
+    if (!g.starts)
+        return 0;
+    const int s = g.starts[row];
+    return s < 0 ? 0 : (s > N ? N : s);
+}
+
+/* a row's length: its lengths entry (per row, or the causal per-request rule) clamped to [0, N - start],
+ * or N - start */
+__device__ __forceinline__ int row_length(int N, const RowGeom &g, int row)
+{
+    const int room = N - row_start(N, g, row);
+    if (!g.lengths)
+        return room;
+    const int L = g.len_per_req ? g.lengths[row / g.next_n] - (g.next_n - 1 - row % g.next_n) : g.lengths[row];
+    return L < 0 ? 0 : (L > room ? room : L);
 }
 
 /* Where a row's result goes (gvr_topk_params): out, and with a block table physical slots in out and,
@@ -53,6 +79,7 @@ struct OutMap {
     int page;
     int *pos; /* NULL or the positions' output */
     long long pos_stride;
+    int bt_div; /* rows per block-table row (next_n with GVR_TOPK_BT_PER_REQUEST, else 1) */
 };
 struct RowOut {
     int *orow, *prow;
@@ -60,7 +87,7 @@ struct RowOut {
     int page;
     __device__ __forceinline__ RowOut(int *out, long long out_stride, const OutMap &m, int row)
         : orow(out + (long long)row * out_stride), prow(m.pos ? m.pos + (long long)row * m.pos_stride : nullptr),
-          btrow(m.bt ? m.bt + (long long)row * m.bt_stride : nullptr), page(m.page)
+          btrow(m.bt ? m.bt + (long long)(row / m.bt_div) * m.bt_stride : nullptr), page(m.page)
     {
     }
     /* result slot i holds position p (-1: none) */
@@ -80,10 +107,20 @@ struct RowOut {
  * kernel reads the positions back from out, then writes through the map) */
 inline OutMap out_map(const gvr_topk_params *p)
 {
+    const int div = (p->per_request & GVR_TOPK_BT_PER_REQUEST) && p->next_n > 1 ? p->next_n : 1;
     return OutMap{p->block_table, (long long)p->bt_stride, p->page_size > 0 ? p->page_size : 1, p->out_pos,
-                  (long long)p->out_pos_stride};
+                  (long long)p->out_pos_stride, div};
 }
-inline OutMap first_out_map(const gvr_topk_params *p) { return p->sorted ? OutMap{nullptr, 0, 1, nullptr, 0} : out_map(p); }
+inline OutMap first_out_map(const gvr_topk_params *p)
+{
+    return p->sorted ? OutMap{nullptr, 0, 1, nullptr, 0, 1} : out_map(p);
+}
+
+/* rows per prev_topk row */
+inline int prev_div(const gvr_topk_params *p)
+{
+    return (p->per_request & GVR_TOPK_PREV_PER_REQUEST) && p->next_n > 1 ? p->next_n : 1;
+}
 
 /* -1 in a row's output slots [kk, k) (one CTA of the row) */
 __device__ __forceinline__ void pad_tail(const RowOut &o, int kk, int k)

@@ -224,9 +224,9 @@ __device__ __forceinline__ int out_class(uint32_t key, int idx, uint32_t ka, uin
 
 template <bool CLUSTER, int VEC, bool STREAM>
 __global__ void __launch_bounds__(THREADS, 1)
-    gvr_topk_gvr_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
-                        const int *__restrict__ prev, long long prev_stride, int Kp, int k, int *__restrict__ out,
-                        long long out_stride, OutMap om, int C, int nch)
+    gvr_topk_gvr_kernel(const float *__restrict__ scores, long long row_stride, int N, RowGeom rg,
+                        const int *__restrict__ prev, long long prev_stride, int pdiv, int Kp, int k,
+                        int *__restrict__ out, long long out_stride, OutMap om, int C, int nch)
 {
     pdl_enter();
     __shared__ GvrShared<STREAM> s;
@@ -237,13 +237,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     int rank = 0;
     if constexpr (CLUSTER)
         rank = (int)cg::this_cluster().block_rank();
-    const int L = row_length(N, lengths, row), kk = k < L ? k : L;
+    const int L = row_length(N, rg, row), kk = k < L ? k : L;
     const RowOut ro(out, out_stride, om, row);
     if (rank == 0)
         pad_tail(ro, kk, k);
     if (kk == 0)
         return; /* uniform over the cluster */
-    const float *xr = scores + (long long)row * row_stride;
+    const float *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
     constexpr int P = RowTile<VEC>::P;
     const int S = nch * P; /* positions per CTA: [rank * S, rank * S + S), aligned coordinates */
     const int seg = rank * S, shift = row_shift(xr);
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     int pidx[PRED_PER_THREAD];
     const int kp = prev ? Kp : 0;
     const int np = kp < PRED_STATS ? kp : PRED_STATS; /* entries read: prev[j * kp / np], j < np */
-    const int *pr = prev ? prev + (long long)row * prev_stride : nullptr;
+    const int *pr = prev ? prev + (long long)(row / pdiv) * prev_stride : nullptr;
     int p0 = -1; /* the first predicted index: its score is the statistics' pivot */
     if (search) {
 #pragma unroll
@@ -828,7 +828,8 @@ cudaError_t GvrInstance<CLUSTER, VEC, STREAM>::launch(const gvr_topk_params *p, 
         return e;
     LaunchConfig lc((unsigned)(C * p->B), THREADS, C, GVR_DYN_SMEM<STREAM>, stream);
     return cudaLaunchKernelEx(&lc.cfg, gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>, p->scores, (long long)p->row_stride,
-                              p->N, p->lengths, p->prev, (long long)p->prev_stride, p->prev ? p->Kp : 0, p->k, p->out,
+                              p->N, row_geom(p), p->prev, (long long)p->prev_stride, prev_div(p), p->prev ? p->Kp : 0,
+                              p->k, p->out,
                               (long long)p->out_stride, first_out_map(p), C, nch);
 }
 

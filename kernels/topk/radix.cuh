@@ -219,8 +219,8 @@ __device__ Interval tie_search(RadixShared &s, int &par, Interval iv, int kk, Ke
 
 template <int C, int VEC>
 __global__ void __launch_bounds__(THREADS, 1)
-    gvr_topk_radix_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
-                          int k, int *__restrict__ out, long long out_stride, OutMap om)
+    gvr_topk_radix_kernel(const float *__restrict__ scores, long long row_stride, int N, RowGeom rg, int k,
+                          int *__restrict__ out, long long out_stride, OutMap om)
 {
     pdl_enter();
     __shared__ RadixShared s;
@@ -228,13 +228,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     int rank = 0;
     if constexpr (C > 1)
         rank = (int)cg::this_cluster().block_rank();
-    const int L = row_length(N, lengths, row), kk = k < L ? k : L;
+    const int L = row_length(N, rg, row), kk = k < L ? k : L;
     const RowOut ro(out, out_stride, om, row);
     if (rank == 0)
         pad_tail(ro, kk, k);
     if (kk == 0)
         return;
-    const float *xr = scores + (long long)row * row_stride;
+    const float *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
 
     PROF_RESET();
     PROF(0);
@@ -346,7 +346,7 @@ cudaError_t RadixInstance<C, VEC>::launch(const gvr_topk_params *p, int dev, cud
         }
     }
     LaunchConfig lc((unsigned)(C * p->B), THREADS, C, 0, stream);
-    return cudaLaunchKernelEx(&lc.cfg, fn, p->scores, (long long)p->row_stride, p->N, p->lengths, p->k, p->out,
+    return cudaLaunchKernelEx(&lc.cfg, fn, p->scores, (long long)p->row_stride, p->N, row_geom(p), p->k, p->out,
                               (long long)p->out_stride, first_out_map(p));
 }
 

@@ -12,7 +12,7 @@ static cudaError_t sort_launch_items(const gvr_topk_params *p, cudaStream_t stre
 {
     LaunchConfig lc((unsigned)p->B, THREADS, 0, 0, stream);
     return cudaLaunchKernelEx(&lc.cfg, gvr_topk_sort_kernel<ITEMS>, p->scores, (long long)p->row_stride, p->N,
-                              p->lengths, p->k, p->out, (long long)p->out_stride, out_map(p));
+                              row_geom(p), p->k, p->out, (long long)p->out_stride, out_map(p));
 }
 
 cudaError_t sort_launch(const gvr_topk_params *p, cudaStream_t stream)

@@ -15,14 +15,14 @@ namespace gvr::topk {
 
 template <int ITEMS>
 __global__ void __launch_bounds__(THREADS, 1)
-    gvr_topk_sort_kernel(const float *__restrict__ scores, long long row_stride, int N, const int *__restrict__ lengths,
-                         int k, int *__restrict__ out, long long out_stride, OutMap om)
+    gvr_topk_sort_kernel(const float *__restrict__ scores, long long row_stride, int N, RowGeom rg, int k,
+                         int *__restrict__ out, long long out_stride, OutMap om)
 {
     pdl_enter();
     using Sort = cub::BlockRadixSort<unsigned long long, THREADS, ITEMS>;
     __shared__ typename Sort::TempStorage tmp;
     const int row = blockIdx.x;
-    const int L = row_length(N, lengths, row), kk = k < L ? k : L;
+    const int L = row_length(N, rg, row), kk = k < L ? k : L;
     const RowOut ro(out, out_stride, om, row);
     int *orow = ro.orow;
     const bool mapped = om.bt || om.pos;
@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             ro.put(0, orow[0]);
         return;
     }
-    const float *xr = scores + (long long)row * row_stride;
+    const float *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
     unsigned long long item[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; i++) {
