@@ -6,7 +6,13 @@ Methods (CUDA graphs of 10 back-to-back calls, warm L2, median us per call):
   fused    gvr.topk_decode(scores, k, block_table=, page_size=, out_positions=)  (slots and positions)
   unfused  gvr.topk_decode(scores, k) then torch: where(pos >= 0, bt.gather(pos // P) * P + pos % P, -1)
   topk     gvr.topk_decode(scores, k) alone (the floor of both)
-Every fused result is checked against the unfused one. Usage: python benchmarks/bench_page_table.py [--json PATH]
+Every fused result is checked against the unfused one.
+Ragged rows (--ragged, or --only-ragged): B query rows as windows of one flat fp32 buffer (vLLM's prefill
+form: row b = flat[starts[b] : starts[b] + lengths[b]]), k = 2048:
+  row_starts  one gvr.topk_decode(flat, k, row_starts=, lengths=) call
+  per_row     B calls, one per row view (what a user writes without row_starts)
+  padded      the rows copied into a [B, max_len] buffer (torch), then one call with lengths
+Usage: python benchmarks/bench_page_table.py [--json PATH] [--ragged | --only-ragged]
 """
 import argparse
 import os
@@ -23,6 +29,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--ragged", action="store_true", help="also the ragged-rows section")
+    ap.add_argument("--only-ragged", action="store_true", help="only the ragged-rows section")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import torch
@@ -30,6 +38,11 @@ def main():
     meta = H.header(torch, ROOT, cuda=True)
     print(H.header_line(meta))
     k, P = args.k, args.page
+    if args.only_ragged:
+        r = ragged(gvr, torch, timer, k)
+        if args.json:
+            H.write_json(args.json, {"meta": meta, "ragged": r})
+        return
     headers = ["B", "N", "topk", "fused", "unfused", "unfused/fused", "fused - topk", "check"]
     rows, cells = [], []
     for B in (1, 8, 64):
@@ -67,8 +80,54 @@ def main():
                   flush=True)
     print(f"\n## page-table transform, k = {k}, pages of {P} tokens (median us per call, warm, CUDA graphs)")
     print(H.format_table(headers, rows))
+    rg = ragged(gvr, torch, timer, k) if args.ragged else None
     if args.json:
-        H.write_json(args.json, {"meta": meta, "cells": cells})
+        H.write_json(args.json, {"meta": meta, "cells": cells, "ragged": rg})
+
+
+def ragged(gvr, torch, timer, k):
+    """B rows of 4K-64K tokens as windows of one flat buffer: row_starts vs per-row calls vs padding"""
+    headers = ["B", "tokens", "row_starts", "per_row", "padded", "per_row/row_starts", "padded/row_starts", "check"]
+    rows, cells = [], []
+    for B in (4, 16, 64):
+        g = torch.Generator().manual_seed(B)
+        lens = torch.randint(4096, 65536, (B,), generator=g, dtype=torch.int32)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.long().cumsum(0)[:-1]]).int()
+        T, L = int(lens.sum()), int(lens.max())
+        flat = torch.randn(T, generator=g).cuda()
+        st_d, ln_d = starts.cuda(), lens.cuda()
+        out = torch.empty(B, k, dtype=torch.int32, device="cuda")
+        outs = [torch.empty(k, dtype=torch.int32, device="cuda") for _ in range(B)]
+        views = [flat[int(s):int(s) + int(n)] for s, n in zip(starts, lens)]
+        pad = torch.full((B, L), float("-inf"), device="cuda")
+
+        def one():
+            gvr.topk_decode(flat, k, row_starts=st_d, lengths=ln_d, out=out)
+
+        def per_row():
+            for v, o in zip(views, outs):
+                gvr.topk_decode(v, k, out=o)
+
+        def padded():
+            for b, v in enumerate(views):
+                pad[b, : v.shape[0]].copy_(v)
+            gvr.topk_decode(pad, k, lengths=ln_d, out=out)
+
+        t = {name: timer.graph(fn, 5, 10)["median_us"] for name, fn in (("row_starts", one), ("per_row", per_row),
+                                                                         ("padded", padded))}
+        one()
+        a = gvr.topk_decode(flat, k, row_starts=st_d, lengths=ln_d, sorted=True)
+        b_ = torch.stack([gvr.topk_decode(v, k, sorted=True) for v in views])
+        ok = bool(torch.equal(a, b_))
+        cells.append({"B": B, "tokens": T, "us": t, "ok": ok})
+        rows.append([B, T, H.fmt_us(t["row_starts"]), H.fmt_us(t["per_row"]), H.fmt_us(t["padded"]),
+                     f"{t['per_row'] / t['row_starts']:.2f}x", f"{t['padded'] / t['row_starts']:.2f}x",
+                     "ok" if ok else "MISMATCH"])
+        print(H.format_table(headers, rows[-1:]) if len(rows) == 1 else H.format_table(headers, rows[-1:]).split("\n")[-1],
+              flush=True)
+    print(f"\n## ragged rows over one flat buffer, k = {k} (median us per call, warm, CUDA graphs)")
+    print(H.format_table(headers, rows))
+    return cells
 
 
 if __name__ == "__main__":

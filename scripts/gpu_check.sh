@@ -17,6 +17,7 @@
 #   sparda   issue 14's pieces (compressed keys, forecast_select, prefetch, host cache): GPU tests, sanitizer
 #   spardabench  benchmarks/bench_sparda.py -> $OUT/results_sparda_cuda.json, bench_sparda.log
 #   prefetcher  the persistent gvr.sparda.Prefetcher's GPU tests and eager timing (apart, short timeouts)
+#   topkragged  bench_page_table --only-ragged (row_starts vs per-row calls vs padding)
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
@@ -159,6 +160,12 @@ prefetcher() {  # the persistent Prefetcher: its GPU tests alone, short timeouts
     "$ROOT/benchmarks/bench_sparda.py" --only prefetcher --json "$OUT/results_prefetcher_cuda.json") 2>&1 | tee "$OUT/bench_prefetcher.log" | tail -12
 }
 
+topkragged() {  # bench_page_table --only-ragged: row_starts against per-row calls and padding
+  say "bench_page_table --only-ragged"
+  (cd /tmp && timeout -k 5 200 $PY "$ROOT/benchmarks/bench_page_table.py" --only-ragged \
+    --json "$OUT/results_topk_ragged.json") 2>&1 | tee "$OUT/bench_topk_ragged.log" | tail -8
+}
+
 spardashapes() {  # bench_sparda --only shapes: the gather CTA shapes (bandwidth, matmul slowdown, idle Prefetcher)
   say "bench_sparda --only shapes"
   (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only shapes \
@@ -211,6 +218,7 @@ for mode in "${@:-check}"; do
     sparda) sparda ;;
     spardabench) spardabench ;;
     spardashapes) spardashapes ;;
+    topkragged) topkragged ;;
     spardapipe) spardapipe ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
