@@ -9,7 +9,7 @@ Methods (CUDA graphs of 10 back-to-back calls, warm L2, median us per call):
 Every fused result is checked against the unfused one.
 Ragged rows (--ragged, or --only-ragged): B query rows as windows of one flat fp32 buffer (vLLM's prefill
 form: row b = flat[starts[b] : starts[b] + lengths[b]]), k = 2048:
-  row_starts  one gvr.topk_decode(flat, k, row_starts=, lengths=) call
+  row_starts  one gvr.topk_decode(flat, k, row_starts=, lengths=, max_length=) call
   per_row     B calls, one per row view (what a user writes without row_starts)
   padded      the rows copied into a [B, max_len] buffer (torch), then one call with lengths
 Usage: python benchmarks/bench_page_table.py [--json PATH] [--ragged | --only-ragged]
@@ -102,7 +102,7 @@ def ragged(gvr, torch, timer, k):
         pad = torch.full((B, L), float("-inf"), device="cuda")
 
         def one():
-            gvr.topk_decode(flat, k, row_starts=st_d, lengths=ln_d, out=out)
+            gvr.topk_decode(flat, k, row_starts=st_d, lengths=ln_d, out=out, max_length=L)
 
         def per_row():
             for v, o in zip(views, outs):

@@ -32,7 +32,7 @@ const gvr_spec gvr_topk_spec = {"topk_decode", NARGS, topk_args};
 
 const char gvr_topk_doc[] =
     "topk_decode(scores, k, prev_topk, lengths, out, sorted, stream, method, nosync, block_table, page_size,\n"
-    "            out_positions, row_starts, next_n)\n--\n\n"
+    "            out_positions, row_starts, next_n, max_length)\n--\n\n"
     "Exact Top-K of each row of scores into out (int32). See gvr.topk_decode.\n"
     "block_table (int32 [B, max_pages]) with page_size: out holds physical slots, out_positions the positions.\n"
     "sorted: a bool. method: 'auto', 'gvr' or 'radix' (CUDA paths; the CPU has one implementation).\n"
@@ -208,18 +208,18 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
     static char *kwlist[] = {"scores", "k", "prev_topk", "lengths", "out", "sorted", "stream", "method", "nosync",
-                             "block_table", "page_size", "out_positions", "row_starts", "next_n", NULL};
+                             "block_table", "page_size", "out_positions", "row_starts", "next_n", "max_length", NULL};
     PyObject *obj[NARGS] = {NULL, Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
     PyObject *o_k, *o_sorted = Py_False, *o_stream = Py_None, *o_method = NULL, *o_nosync = NULL, *o_page = Py_None;
-    PyObject *o_next = Py_None;
+    PyObject *o_next = Py_None, *o_maxlen = Py_None;
     PyObject *result = NULL;
     int32_t *len_copy = NULL, *start_copy = NULL;
     gvr_intake in;
     gvr_intake_init(&in);
     obj[OUT] = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOOOOO:topk_decode", kwlist, &obj[SCORES], &o_k, &obj[PREV],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOOOOOO:topk_decode", kwlist, &obj[SCORES], &o_k, &obj[PREV],
                                      &obj[LENGTHS], &obj[OUT], &o_sorted, &o_stream, &o_method, &o_nosync, &obj[BT],
-                                     &o_page, &obj[OPOS], &obj[STARTS], &o_next))
+                                     &o_page, &obj[OPOS], &obj[STARTS], &o_next, &o_maxlen))
         return NULL;
     unsigned nosync;
     int method, sorted;
@@ -240,6 +240,16 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
         if (next_n < 1 || next_n > INT32_MAX) {
             PyErr_Format(PyExc_ValueError, "'next_n' must be an int >= 1 (rows per request), got %zd", next_n);
+            goto fail;
+        }
+    }
+    Py_ssize_t max_len = 0;
+    if (o_maxlen != Py_None) {
+        if (gvr_parse_int(o_maxlen, "max_length", &max_len) < 0)
+            goto fail;
+        if (max_len < 1 || max_len > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "'max_length' must be an int >= 1 (an upper bound of the row lengths), "
+                         "got %zd", max_len);
             goto fail;
         }
     }
@@ -326,6 +336,7 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
     p.out_stride = one_d ? k : ot->strides[0];
     p.next_n = (int32_t)next_n;
     p.per_request = per_request;
+    p.max_len = max_len > 0 && max_len < N ? (int32_t)max_len : 0; /* 0: no cut */
     const gvr_view *bt = &in.view[BT], *op = &in.view[OPOS];
     if (bt->data) {
         const int64_t max_pages = gvr_intake_dim(&in, "max_pages");

@@ -45,7 +45,7 @@ def _flat_rows(scores, fw, row_starts):
 
 
 def _eager(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table=None, page_size=None,
-           out_positions=None, row_starts=None, next_n=None):
+           out_positions=None, row_starts=None, next_n=None, max_length=None):
     fw = framework(scores)
     if row_starts is not None:
         scores = _flat_rows(scores, fw, row_starts)
@@ -53,16 +53,17 @@ def _eager(scores, k, prev_topk, lengths, out, sorted, stream, method, block_tab
         out = empty(scores, fw, _out_shape(scores, k), "int32")
     (s, p, n, o, bt, op, rs), stream, nosync = prepare(fw, scores, (scores, prev_topk, lengths, out, block_table,
                                                                     out_positions, row_starts), stream)
-    r = _C.topk_decode(s, k, p, n, o, sorted, stream, method, nosync, bt, page_size, op, rs, next_n)
+    r = _C.topk_decode(s, k, p, n, o, sorted, stream, method, nosync, bt, page_size, op, rs, next_n, max_length)
     return r if out is None else out
 
 
 # -- torch.library ops (used while torch.compile traces; eager calls run _eager directly) ----------
-def _impl(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n=1):
-    return _eager(scores, k, prev_topk, lengths, None, sorted, None, method, row_starts=row_starts, next_n=next_n)
+def _impl(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n=1, max_length=None):
+    return _eager(scores, k, prev_topk, lengths, None, sorted, None, method, row_starts=row_starts, next_n=next_n,
+                  max_length=max_length)
 
 
-def _fake(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n=1):
+def _fake(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n=1, max_length=None):
     if row_starts is not None and row_starts.shape[0] > 1:
         shape = (row_starts.shape[0], k)
     else:
@@ -70,30 +71,33 @@ def _fake(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n
     return scores.new_empty(shape, dtype=sys.modules["torch"].int32)
 
 
-def _impl_out(scores, k, prev_topk, lengths, out, sorted, method, row_starts=None, next_n=1):
-    _eager(scores, k, prev_topk, lengths, out, sorted, None, method, row_starts=row_starts, next_n=next_n)
+def _impl_out(scores, k, prev_topk, lengths, out, sorted, method, row_starts=None, next_n=1, max_length=None):
+    _eager(scores, k, prev_topk, lengths, out, sorted, None, method, row_starts=row_starts, next_n=next_n,
+           max_length=max_length)
 
 
-def _fake_out(scores, k, prev_topk, lengths, out, sorted, method, row_starts=None, next_n=1):
+def _fake_out(scores, k, prev_topk, lengths, out, sorted, method, row_starts=None, next_n=1, max_length=None):
     return None
 
 
 _ARGS = "Tensor scores, SymInt k, Tensor? prev_topk, Tensor? lengths"
-_ROWS = "Tensor? row_starts=None, int next_n=1"
+_ROWS = "Tensor? row_starts=None, int next_n=1, int? max_length=None"
 _op = define_op("topk_decode", f"({_ARGS}, bool sorted, str method, {_ROWS}) -> Tensor", impl=_impl, fake=_fake)
 _op_out = define_op("topk_decode_out", f"({_ARGS}, Tensor(a!) out, bool sorted, str method, {_ROWS}) -> ()",
                     impl=_impl_out, fake=_fake_out, mutates_args=("out",))
 
 
-def _impl_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts=None, next_n=1):
+def _impl_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts=None, next_n=1,
+             max_length=None):
     pos = _fake(scores, k, prev_topk, lengths, sorted, method, row_starts, next_n)
     pos = sys.modules["torch"].empty_like(pos)
     slots = _eager(scores, k, prev_topk, lengths, None, sorted, None, method, block_table, page_size, pos,
-                   row_starts, next_n)
+                   row_starts, next_n, max_length)
     return slots, pos
 
 
-def _fake_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts=None, next_n=1):
+def _fake_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts=None, next_n=1,
+             max_length=None):
     return (_fake(scores, k, prev_topk, lengths, sorted, method, row_starts, next_n),
             _fake(scores, k, prev_topk, lengths, sorted, method, row_starts, next_n))
 
@@ -104,7 +108,7 @@ _op_pt = define_op("topk_decode_page_table",
 
 
 def _traced(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table=None, page_size=None,
-            out_positions=None, row_starts=None, next_n=None):
+            out_positions=None, row_starts=None, next_n=None, max_length=None):
     if stream is not None:
         raise ValueError("'stream' is not supported under torch.compile: call gvr.topk_decode inside "
                          "`with torch.cuda.stream(s):` instead")
@@ -113,18 +117,19 @@ def _traced(scores, k, prev_topk, lengths, out, sorted, stream, method, block_ta
         if page_size is None:
             raise ValueError("'page_size' is required with 'block_table' (tokens per page, >= 1)")
         slots, pos = _op_pt.call(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts,
-                                 nn)
+                                 nn, max_length)
         if out_positions is not None:
             out_positions.copy_(pos)
         return slots if out is None else out.copy_(slots)
     if out is None:
-        return _op.call(scores, k, prev_topk, lengths, sorted, method, row_starts, nn)
-    _op_out.call(scores, k, prev_topk, lengths, out, sorted, method, row_starts, nn)
+        return _op.call(scores, k, prev_topk, lengths, sorted, method, row_starts, nn, max_length)
+    _op_out.call(scores, k, prev_topk, lengths, out, sorted, method, row_starts, nn, max_length)
     return out
 
 
 def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=False, stream=None, method="auto",
-                block_table=None, page_size=None, out_positions=None, row_starts=None, next_n=None):
+                block_table=None, page_size=None, out_positions=None, row_starts=None, next_n=None,
+                max_length=None):
     """Exact Top-K of each row of ``scores``, warm-started by the previous decode step's Top-K.
 
     scores:    float32 ``[B, N]`` (or ``[N]``); unit stride along N, any row stride. NumPy arrays,
@@ -174,6 +179,6 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
     """
     if compiling():
         return _traced(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table, page_size,
-                       out_positions, row_starts, next_n)
+                       out_positions, row_starts, next_n, max_length)
     return _eager(scores, k, prev_topk, lengths, out, sorted, stream, method, block_table, page_size, out_positions,
-                  row_starts, next_n)
+                  row_starts, next_n, max_length)

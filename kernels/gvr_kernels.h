@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 11
+#define GVR_ABI_VERSION 12
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -63,7 +63,8 @@ enum { GVR_TOPK_AUTO = 0, GVR_TOPK_GVR = 1, GVR_TOPK_RADIX = 2 };
  * rows of one request are consecutive); per_request flags: GVR_TOPK_LENGTHS_PER_REQUEST -- lengths has
  * one entry per request and row b's length is lengths[b / next_n] - (next_n - 1 - b % next_n) (the
  * causal rule of vLLM's decode Top-K), GVR_TOPK_PREV_PER_REQUEST -- prev row b / next_n,
- * GVR_TOPK_BT_PER_REQUEST -- block_table row b / next_n. */
+ * GVR_TOPK_BT_PER_REQUEST -- block_table row b / next_n. max_len > 0: every row is cut to its first
+ * max_len elements (an upper bound of the lengths: launches are sized for it, not for N). */
 enum { GVR_TOPK_LENGTHS_PER_REQUEST = 1, GVR_TOPK_PREV_PER_REQUEST = 2, GVR_TOPK_BT_PER_REQUEST = 4 };
 typedef struct {
     const float *scores;
@@ -87,6 +88,7 @@ typedef struct {
     const int32_t *row_starts;
     int32_t next_n;      /* 0 or 1: one row per request */
     int32_t per_request; /* GVR_TOPK_*_PER_REQUEST flags */
+    int32_t max_len;     /* > 0: every row is cut to max_len elements (and launches are sized for it) */
 } gvr_topk_params;
 
 /* The kernels read each row in 16-byte aligned coordinates: position q holds element q - s, s = the
@@ -96,9 +98,10 @@ typedef struct {
 static inline int64_t gvr_topk_row_positions(const gvr_topk_params *p)
 {
     const int64_t s0 = (int64_t)(((uintptr_t)p->scores >> 2) & 3u);
+    const int64_t n = p->max_len > 0 && p->max_len < p->N ? p->max_len : p->N;
     if (p->row_starts)
-        return (int64_t)p->N + 3; /* rows start anywhere */
-    return (int64_t)p->N + ((p->B <= 1 || p->row_stride % 4 == 0) ? s0 : 3);
+        return n + 3; /* rows start anywhere */
+    return n + ((p->B <= 1 || p->row_stride % 4 == 0) ? s0 : 3);
 }
 
 /* Bytes of device workspace gvr_topk_decode needs for these parameters (0 today for every path:

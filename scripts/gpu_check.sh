@@ -17,6 +17,7 @@
 #   sparda   issue 14's pieces (compressed keys, forecast_select, prefetch, host cache): GPU tests, sanitizer
 #   spardabench  benchmarks/bench_sparda.py -> $OUT/results_sparda_cuda.json, bench_sparda.log
 #   prefetcher  the persistent gvr.sparda.Prefetcher's GPU tests and eager timing (apart, short timeouts)
+#   gputests  every GPU test (check's first part); sanall: compute-sanitizer on every sanitize_case part
 #   topkragged  bench_page_table --only-ragged (row_starts vs per-row calls vs padding)
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
@@ -91,6 +92,11 @@ sanitize() {  # $1: sanitize_case.py --only value; extra environment from the ca
     (cd /tmp && timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$tool.log") clean summaries)"; tail -3 "$OUT/sanitizer_$1_$tool.log"
   done
+}
+
+gputests() {  # every GPU test (check's first part), failures listed
+  say "GPU tests (all)"
+  (cd tests && timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 .) 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 }
 
 attntests() {  # the attention GPU tests, all failures listed
@@ -219,6 +225,8 @@ for mode in "${@:-check}"; do
     spardabench) spardabench ;;
     spardashapes) spardashapes ;;
     topkragged) topkragged ;;
+    gputests) gputests ;;
+    sanall) for c in topk attention prr sparda; do sanitize $c; done ;;
     spardapipe) spardapipe ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;

@@ -137,6 +137,21 @@ def test_next_n_with_row_starts():
     assert np.array_equal(got, _expected_rows(x, k, starts, row_len))
 
 
+@pytest.mark.parametrize("max_length", [1, 37, 300, 10 ** 6])
+def test_max_length_cuts_rows(max_length):
+    """max_length: every row cut to its first max_length elements (with lengths, row_starts, next_n)"""
+    rng = np.random.default_rng(max_length)
+    B, N, k = 4, 500, 50
+    x = _scores(rng, B, N, ties=True)
+    starts = np.array([0, 10, 400, 500], I32)
+    lens = np.array([500, 200, 100, 0], I32)
+    cut = np.minimum(lens, max_length)
+    got = gvr.topk_decode(x, k, row_starts=starts, lengths=lens, max_length=max_length, sorted=True)
+    assert np.array_equal(got, _expected_rows(x, k, starts, cut))
+    got = gvr.topk_decode(x, k, max_length=max_length, sorted=True)
+    assert np.array_equal(got, _expected_rows(x, k, np.zeros(B, I32), np.full(B, min(N, max_length))))
+
+
 def test_bad_row_arguments_named_and_nothing_modified():
     x = np.zeros((4, 50), np.float32)
     x0 = x.copy()
@@ -153,6 +168,8 @@ def test_bad_row_arguments_named_and_nothing_modified():
         (dict(next_n=2.0), TypeError, r"'next_n'"),
         (dict(next_n=2, lengths=np.array([60, 5], I32)), ValueError, r"'lengths' must lie in \[0, 50\]"),
         (dict(next_n=2, prev_topk=np.zeros((3, 2), I32)), ValueError, r"'prev_topk' must have 4 rows"),
+        (dict(max_length=0), ValueError, r"'max_length' must be an int >= 1"),
+        (dict(max_length=3.5), TypeError, r"'max_length'"),
     ]
     for kw, exc, msg in cases:
         with pytest.raises(exc, match=msg):
@@ -218,6 +235,26 @@ def test_cuda_flat_buffer_and_next_n(cuda):
                                   block_table=_gpu(bt), page_size=P, out_positions=pos_g, sorted=True, method=method)
         assert np.array_equal(pos_g.cpu().numpy(), pos_c), method
         assert np.array_equal(slots_g.cpu().numpy(), slots_c), method
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["auto", "gvr", "radix"])
+def test_cuda_max_length_equals_cpu(cuda, method):
+    """a [B, 2^20] buffer of short rows with max_length (launches sized for it), and a flat buffer"""
+    rng = np.random.default_rng(31)
+    B, N, k = 6, 1 << 20, 2048
+    x = _scores(rng, B, N)
+    lens = np.array([70000, 65536, 3000, 1, 0, 69999], I32)
+    for ml in (70000, 4096, 100):
+        want = gvr.topk_decode(x, k, lengths=lens, max_length=ml, sorted=True)
+        got = gvr.topk_decode(_gpu(x), k, lengths=_gpu(lens), max_length=ml, sorted=True, method=method)
+        assert np.array_equal(got.cpu().numpy(), want), (ml, method)
+    starts = np.array([0, 100000, 200000, 900000, 1048576, 5], I32)
+    want = gvr.topk_decode(x[:1], k, row_starts=starts, lengths=np.minimum(lens, N - starts), max_length=70000,
+                           sorted=True)
+    got = gvr.topk_decode(_gpu(x[:1]), k, row_starts=_gpu(starts), lengths=_gpu(lens), max_length=70000, sorted=True,
+                          method=method)
+    assert np.array_equal(got.cpu().numpy(), want), method
 
 
 @pytest.mark.gpu

@@ -810,7 +810,8 @@ static int64_t per_req_div(const gvr_topk_params *p, int flag)
 /* the CPU path takes per-row lengths (the intake expands per-request ones) and checked starts */
 static int64_t row_len(const gvr_topk_params *p, int64_t b)
 {
-    return p->lengths ? p->lengths[b] : p->N - (p->row_starts ? p->row_starts[b] : 0);
+    const int64_t L = p->lengths ? p->lengths[b] : p->N - (p->row_starts ? p->row_starts[b] : 0);
+    return p->max_len > 0 && L > p->max_len ? p->max_len : L;
 }
 
 static int topk_row_of(void *ctx, int64_t b)

@@ -43,12 +43,13 @@ struct RowGeom {
     const int *starts;
     int next_n;
     bool len_per_req;
+    int max_len; /* > 0: rows cut to it */
 };
 
 inline RowGeom row_geom(const gvr_topk_params *p)
 {
     return RowGeom{p->lengths, p->row_starts, p->next_n > 1 ? p->next_n : 1,
-                   (p->per_request & GVR_TOPK_LENGTHS_PER_REQUEST) != 0};
+                   (p->per_request & GVR_TOPK_LENGTHS_PER_REQUEST) != 0, p->max_len > 0 ? p->max_len : 0};
 }
 
 /* where row `row` starts in its scores row: clamp(starts[row], 0, N), or 0 */
@@ -60,11 +61,13 @@ __device__ __forceinline__ int row_start(int N, const RowGeom &g, int row)
     return s < 0 ? 0 : (s > N ? N : s);
 }
 
-/* a row's length: its lengths entry (per row, or the causal per-request rule) clamped to [0, N - start],
- * or N - start */
+/* a row's length: its lengths entry (per row, or the causal per-request rule) clamped to [0, N - start]
+ * and to max_len, or N - start (cut to max_len) */
 __device__ __forceinline__ int row_length(int N, const RowGeom &g, int row)
 {
-    const int room = N - row_start(N, g, row);
+    int room = N - row_start(N, g, row);
+    if (g.max_len > 0 && room > g.max_len)
+        room = g.max_len;
     if (!g.lengths)
         return room;
     const int L = g.len_per_req ? g.lengths[row / g.next_n] - (g.next_n - 1 - row % g.next_n) : g.lengths[row];
