@@ -12,7 +12,9 @@ form: row b = flat[starts[b] : starts[b] + lengths[b]]), k = 2048:
   row_starts  one gvr.topk_decode(flat, k, row_starts=, lengths=, max_length=) call
   per_row     B calls, one per row view (what a user writes without row_starts)
   padded      the rows copied into a [B, max_len] buffer (torch), then one call with lengths
-Usage: python benchmarks/bench_page_table.py [--json PATH] [--ragged | --only-ragged]
+Half-precision scores (--only-half): k = 2048, per call: float32 scores; bfloat16 / float16 scores read
+directly; bfloat16 converted to float32 (torch .float() into a preallocated buffer) then the float32 call.
+Usage: python benchmarks/bench_page_table.py [--json PATH] [--ragged | --only-ragged | --only-half]
 """
 import argparse
 import os
@@ -31,6 +33,7 @@ def main():
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--ragged", action="store_true", help="also the ragged-rows section")
     ap.add_argument("--only-ragged", action="store_true", help="only the ragged-rows section")
+    ap.add_argument("--only-half", action="store_true", help="only the half-precision scores section")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import torch
@@ -38,6 +41,11 @@ def main():
     meta = H.header(torch, ROOT, cuda=True)
     print(H.header_line(meta))
     k, P = args.k, args.page
+    if args.only_half:
+        r = half(gvr, torch, timer, k)
+        if args.json:
+            H.write_json(args.json, {"meta": meta, "half": r})
+        return
     if args.only_ragged:
         r = ragged(gvr, torch, timer, k)
         if args.json:
@@ -83,6 +91,37 @@ def main():
     rg = ragged(gvr, torch, timer, k) if args.ragged else None
     if args.json:
         H.write_json(args.json, {"meta": meta, "cells": cells, "ragged": rg})
+
+
+def half(gvr, torch, timer, k):
+    """float32 vs bfloat16 / float16 read directly vs bfloat16 converted first"""
+    headers = ["B", "N", "f32", "bf16", "f16", "bf16->f32 + f32", "convert/bf16", "check"]
+    rows, cells = [], []
+    for B in (1, 8, 64):
+        for N in (32768, 131072):
+            g = torch.Generator(device="cuda").manual_seed(B + N)
+            x = torch.randn(B, N, generator=g, device="cuda")
+            xb, xh = x.to(torch.bfloat16), x.to(torch.float16)
+            conv = torch.empty_like(x)
+            out = torch.empty(B, k, dtype=torch.int32, device="cuda")
+
+            def converted():
+                conv.copy_(xb)
+                gvr.topk_decode(conv, k, out=out)
+
+            t = {name: timer.graph(fn, 10, 20)["median_us"] for name, fn in (
+                ("f32", lambda: gvr.topk_decode(x, k, out=out)), ("bf16", lambda: gvr.topk_decode(xb, k, out=out)),
+                ("f16", lambda: gvr.topk_decode(xh, k, out=out)), ("bf16_converted", converted))}
+            ok = bool(torch.equal(gvr.topk_decode(xb, k, sorted=True), gvr.topk_decode(xb.float(), k, sorted=True)) and
+                      torch.equal(gvr.topk_decode(xh, k, sorted=True), gvr.topk_decode(xh.float(), k, sorted=True)))
+            cells.append({"B": B, "N": N, "us": t, "ok": ok})
+            rows.append([B, f"{N // 1024}K", H.fmt_us(t["f32"]), H.fmt_us(t["bf16"]), H.fmt_us(t["f16"]),
+                         H.fmt_us(t["bf16_converted"]), f"{t['bf16_converted'] / t['bf16']:.2f}x", "ok" if ok else "MISMATCH"])
+            print(H.format_table(headers, rows[-1:]) if len(rows) == 1 else H.format_table(headers, rows[-1:]).split("\n")[-1],
+                  flush=True)
+    print(f"\n## half-precision scores, k = {k} (median us per call, warm, CUDA graphs)")
+    print(H.format_table(headers, rows))
+    return cells
 
 
 def ragged(gvr, torch, timer, k):

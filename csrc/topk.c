@@ -14,7 +14,8 @@ enum { SCORES, PREV, LENGTHS, OUT, BT, OPOS, STARTS, NARGS };
 
 /* argument i's nosync bit is bit i (gvr/_interop.py sets them in this order) */
 static const gvr_arg_spec topk_args[NARGS] = {
-    [SCORES] = {"scores", GVR_DT(GVR_DTYPE_F32), "B,N|N;B=1", GVR_HOST | GVR_DEVICE, GVR_UNIT_LAST, NULL, NULL},
+    [SCORES] = {"scores", GVR_DT(GVR_DTYPE_F32) | GVR_DT(GVR_DTYPE_F16) | GVR_DT(GVR_DTYPE_BF16), "B,N|N;B=1",
+                GVR_HOST | GVR_DEVICE, GVR_UNIT_LAST, NULL, NULL},
     [PREV] = {"prev_topk", GVR_DT(GVR_DTYPE_I32), "Bp,Kp|Kp", GVR_HOST | GVR_DEVICE, GVR_OPTIONAL | GVR_UNIT_LAST,
               NULL, NULL},
     [LENGTHS] = {"lengths", GVR_DT(GVR_DTYPE_I32), "Bl", GVR_HOST | GVR_DEVICE,
@@ -322,7 +323,8 @@ PyObject *gvr_py_topk_decode(PyObject *self, PyObject *args, PyObject *kwds)
         goto fail;
     }
     gvr_topk_params p = {0};
-    p.scores = (const float *)sc->data;
+    p.scores = sc->data;
+    p.score_dtype = sc->dtype == GVR_DTYPE_F16 ? GVR_TOPK_F16 : sc->dtype == GVR_DTYPE_BF16 ? GVR_TOPK_BF16 : GVR_TOPK_F32;
     p.row_stride = one_d ? N : sc->strides[0];
     p.B = (int32_t)B;
     p.N = (int32_t)N;

@@ -132,8 +132,10 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
                 max_length=None):
     """Exact Top-K of each row of ``scores``, warm-started by the previous decode step's Top-K.
 
-    scores:    float32 ``[B, N]`` (or ``[N]``); unit stride along N, any row stride. NumPy arrays,
-               torch tensors (CPU or CUDA), CuPy arrays or any DLPack producer.
+    scores:    float32, float16 or bfloat16 ``[B, N]`` (or ``[N]``); unit stride along N, any row
+               stride. NumPy arrays, torch tensors (CPU or CUDA), CuPy arrays or any DLPack producer.
+               Half-precision scores are read directly (no conversion pass) and rank as their exact
+               float32 values: the result is that of the float32 call on the converted scores.
     k:         int >= 0 (k = 0 gives an empty ``[B, 0]`` result).
     prev_topk: int32 ``[B, Kp]`` or ``[Kp]`` (shared by every row), or None: a hint only — any
                content (wrong, empty, -1, out of range, duplicated) gives the same result.

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 12
+#define GVR_ABI_VERSION 13
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -66,8 +66,11 @@ enum { GVR_TOPK_AUTO = 0, GVR_TOPK_GVR = 1, GVR_TOPK_RADIX = 2 };
  * GVR_TOPK_BT_PER_REQUEST -- block_table row b / next_n. max_len > 0: every row is cut to its first
  * max_len elements (an upper bound of the lengths: launches are sized for it, not for N). */
 enum { GVR_TOPK_LENGTHS_PER_REQUEST = 1, GVR_TOPK_PREV_PER_REQUEST = 2, GVR_TOPK_BT_PER_REQUEST = 4 };
+/* score_dtype: the scores' element type, read directly (no conversion pass); a half-precision score
+ * ranks as its exact float32 value, so the order above holds unchanged */
+enum { GVR_TOPK_F32 = 0, GVR_TOPK_F16 = 1, GVR_TOPK_BF16 = 2 };
 typedef struct {
-    const float *scores;
+    const void *scores; /* score_dtype elements */
     int64_t row_stride;
     int32_t B;
     int32_t N;
@@ -89,15 +92,17 @@ typedef struct {
     int32_t next_n;      /* 0 or 1: one row per request */
     int32_t per_request; /* GVR_TOPK_*_PER_REQUEST flags */
     int32_t max_len;     /* > 0: every row is cut to max_len elements (and launches are sized for it) */
+    int32_t score_dtype; /* GVR_TOPK_F32 / F16 / BF16 */
 } gvr_topk_params;
 
-/* The kernels read each row in 16-byte aligned coordinates: position q holds element q - s, s = the
- * row's start in floats past a 16-byte boundary (0..3). Positions a launch covers per row: N plus the
+/* The kernels read each row in aligned coordinates of 4-element vectors (16 bytes of float32, 8 of a
+ * half type): position q holds element q - s, s = the row's start in elements past a vector boundary
+ * (0..3). Positions a launch covers per row: N plus the
  * largest s of its rows (that of the first row when all rows share it). The radix path holds at most
  * GVR_RADIX_MAX_POSITIONS. Shared by the library and the intake (which raises the ValueError). */
 static inline int64_t gvr_topk_row_positions(const gvr_topk_params *p)
 {
-    const int64_t s0 = (int64_t)(((uintptr_t)p->scores >> 2) & 3u);
+    const int64_t s0 = (int64_t)(((uintptr_t)p->scores / (p->score_dtype == GVR_TOPK_F32 ? 4u : 2u)) & 3u);
     const int64_t n = p->max_len > 0 && p->max_len < p->N ? p->max_len : p->N;
     if (p->row_starts)
         return n + 3; /* rows start anywhere */

@@ -137,7 +137,7 @@ for c, r in b.table['contexts'].items(): print(c, {k: (round(v, 1) if isinstance
 
 topkpt() {  # issue 15's page-table transform: its GPU tests, the top-k sanitizer cases, its benchmark
   say "GPU tests (topk page table)"
-  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py test_topk_rows.py) 2>&1 | tee "$OUT/pytest_topk_pt.log" | tail -6
+  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py test_topk_rows.py test_topk_half.py) 2>&1 | tee "$OUT/pytest_topk_pt.log" | tail -6
   sanitize topk
   say "bench_page_table"
   (cd /tmp && timeout 200 $PY "$ROOT/benchmarks/bench_page_table.py") 2>&1 | tee "$OUT/bench_page_table.log" | tail -14
@@ -170,6 +170,9 @@ topkragged() {  # bench_page_table --only-ragged: row_starts against per-row cal
   say "bench_page_table --only-ragged"
   (cd /tmp && timeout -k 5 200 $PY "$ROOT/benchmarks/bench_page_table.py" --only-ragged \
     --json "$OUT/results_topk_ragged.json") 2>&1 | tee "$OUT/bench_topk_ragged.log" | tail -8
+  say "bench_page_table --only-half"
+  (cd /tmp && timeout -k 5 200 $PY "$ROOT/benchmarks/bench_page_table.py" --only-half \
+    --json "$OUT/results_topk_half.json") 2>&1 | tee "$OUT/bench_topk_half.log" | tail -10
 }
 
 spardashapes() {  # bench_sparda --only shapes: the gather CTA shapes (bandwidth, matmul slowdown, idle Prefetcher)

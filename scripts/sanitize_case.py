@@ -75,6 +75,15 @@ if only in (None, "topk"):
             assert (np.array_equal(got, exp) if s else
                     all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, exp))), (s, method)
             got = gvr.topk_decode(xr, 300, lengths=ln[:2], next_n=2, prev_topk=prev2, sorted=s, method=method)
+    # half-precision scores read directly, rows starting at every offset from an 8-byte boundary
+    for dt in (torch.float16, torch.bfloat16):
+        xh = xr.to(dt)
+        for method in ("gvr", "radix"):
+            got = gvr.topk_decode(xh, 300, row_starts=st[:3].clone(), lengths=ln[:3].clone(), sorted=True,
+                                  method=method)
+            exp = gvr.topk_decode(xh.float(), 300, row_starts=st[:3].clone(), lengths=ln[:3].clone(), sorted=True,
+                                  method=method)
+            assert torch.equal(got, exp), (dt, method)
     torch.cuda.synchronize()
     print("sanitize case: top-k ok")
 

@@ -814,13 +814,57 @@ static int64_t row_len(const gvr_topk_params *p, int64_t b)
     return p->max_len > 0 && L > p->max_len ? p->max_len : L;
 }
 
+/* the exact float32 value of an IEEE binary16 / a bfloat16 */
+static float f16_value(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    uint32_t bits;
+    if (e == 0x1Fu) /* inf, NaN (payload kept) */
+        bits = sign | 0x7F800000u | (m << 13);
+    else if (e != 0)
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    else if (m == 0)
+        bits = sign;
+    else { /* subnormal: m * 2^-24, normalized */
+        int sh = 0;
+        uint32_t mm = m;
+        while (!(mm & 0x400u)) {
+            mm <<= 1;
+            sh++;
+        }
+        bits = sign | ((uint32_t)(113 - sh) << 23) | ((mm & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float bf16_value(uint16_t h)
+{
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 static int topk_row_of(void *ctx, int64_t b)
 {
     const gvr_topk_params *p = ctx;
     const int32_t *prev = p->prev ? p->prev + b / per_req_div(p, GVR_TOPK_PREV_PER_REQUEST) * p->prev_stride : NULL;
-    const int64_t Kp = p->prev ? p->Kp : 0;
-    const float *row = p->scores + b * p->row_stride + (p->row_starts ? p->row_starts[b] : 0);
-    return topk_row(row, row_len(p, b), prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
+    const int64_t Kp = p->prev ? p->Kp : 0, L = row_len(p, b);
+    const int64_t first = b * p->row_stride + (p->row_starts ? p->row_starts[b] : 0);
+    if (p->score_dtype == GVR_TOPK_F32)
+        return topk_row((const float *)p->scores + first, L, prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
+    /* half types: the row's exact float32 values (the order is theirs), then the float32 path */
+    float *row = malloc((size_t)(L > 0 ? L : 1) * sizeof *row);
+    if (!row)
+        return -1;
+    const uint16_t *h = (const uint16_t *)p->scores + first;
+    for (int64_t i = 0; i < L; i++)
+        row[i] = p->score_dtype == GVR_TOPK_F16 ? f16_value(h[i]) : bf16_value(h[i]);
+    const int rc = topk_row(row, L, prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
+    free(row);
+    return rc;
 }
 
 int topk_decode_cpu(const gvr_topk_params *p)

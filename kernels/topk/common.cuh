@@ -13,6 +13,8 @@
  * the map (boundary, value_boundary). */
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -135,8 +137,51 @@ __device__ __forceinline__ void pad_tail(const RowOut &o, int kk, int k)
     }
 }
 
-/* floats between a row's start and the 16-byte boundary below it (0..3) */
-__device__ __forceinline__ int row_shift(const float *row) { return (int)((reinterpret_cast<uintptr_t>(row) >> 2) & 3u); }
+/* The score types, read as their exact float32 values: ld (one element) and ld4 (4 aligned elements,
+ * raw float32 bits out: one 16-byte load of float32, one 8-byte load of a half type). */
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    __device__ static __forceinline__ float ld(const float *p) { return __ldg(p); }
+    __device__ static __forceinline__ void ld4(const float *p, uint32_t *o)
+    {
+        const float4 v = __ldg(reinterpret_cast<const float4 *>(p));
+        o[0] = __float_as_uint(v.x);
+        o[1] = __float_as_uint(v.y);
+        o[2] = __float_as_uint(v.z);
+        o[3] = __float_as_uint(v.w);
+    }
+};
+template <> struct Elem<__half> {
+    __device__ static __forceinline__ float ld(const __half *p) { return __half2float(__ldg(p)); }
+    __device__ static __forceinline__ void ld4(const __half *p, uint32_t *o)
+    {
+        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
+        o[0] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(v.x & 0xFFFFu))));
+        o[1] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(v.x >> 16))));
+        o[2] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(v.y & 0xFFFFu))));
+        o[3] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(v.y >> 16))));
+    }
+};
+template <> struct Elem<__nv_bfloat16> { /* bfloat16 bits are float32's upper half */
+    __device__ static __forceinline__ float ld(const __nv_bfloat16 *p)
+    {
+        return __uint_as_float((uint32_t)__ldg(reinterpret_cast<const unsigned short *>(p)) << 16);
+    }
+    __device__ static __forceinline__ void ld4(const __nv_bfloat16 *p, uint32_t *o)
+    {
+        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
+        o[0] = v.x << 16;
+        o[1] = v.x & 0xFFFF0000u;
+        o[2] = v.y << 16;
+        o[3] = v.y & 0xFFFF0000u;
+    }
+};
+
+/* elements between a row's start and the 4-element vector boundary below it (0..3) */
+template <typename T> __device__ __forceinline__ int row_shift(const T *row)
+{
+    return (int)((reinterpret_cast<uintptr_t>(row) / sizeof(T)) & 3u);
+}
 
 template <int VEC>
 struct RowTile {
@@ -149,26 +194,25 @@ struct RowTile {
 
     /* Issue the loads of slice `rank` (raw bits into key[], a NaN outside the row); convert() turns
      * them into stored keys (0 outside the row). */
-    __device__ __forceinline__ void load_raw(const float *row, int len, int rank) { load_raw_at(row, len, rank * P); }
+    template <typename T>
+    __device__ __forceinline__ void load_raw(const T *row, int len, int rank) { load_raw_at(row, len, rank * P); }
 
     /* the same for the P positions from `first` on */
-    __device__ __forceinline__ void load_raw_at(const float *row, int len, int first)
+    template <typename T>
+    __device__ __forceinline__ void load_raw_at(const T *row, int len, int first)
     {
         L = len;
         base = first - row_shift(row);
 #pragma unroll
         for (int j = 0; j < VEC; j++) {
-            const int i = index(j, 0); /* row + i is 16-byte aligned */
+            const int i = index(j, 0); /* row + i is vector aligned */
             if (i >= 0 && i + 3 < len) {
-                const float4 v = __ldg(reinterpret_cast<const float4 *>(row + i));
-                key[4 * j + 0] = __float_as_uint(v.x);
-                key[4 * j + 1] = __float_as_uint(v.y);
-                key[4 * j + 2] = __float_as_uint(v.z);
-                key[4 * j + 3] = __float_as_uint(v.w);
+                Elem<T>::ld4(row + i, &key[4 * j]);
             } else {
 #pragma unroll
                 for (int l = 0; l < 4; l++)
-                    key[4 * j + l] = ((unsigned)(i + l) < (unsigned)len) ? __float_as_uint(__ldg(row + i + l)) : RAW_PAST_END;
+                    key[4 * j + l] =
+                        ((unsigned)(i + l) < (unsigned)len) ? __float_as_uint(Elem<T>::ld(row + i + l)) : RAW_PAST_END;
             }
         }
     }

@@ -1,9 +1,9 @@
-/* gvr.cuh: the GVR Top-K kernel, gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>: one cluster of C CTAs
+/* gvr.cuh: the GVR Top-K kernel, gvr_topk_gvr_kernel<T, CLUSTER, VEC, STREAM> (T the score type): one cluster of C CTAs
  * per row (C <= 16), the row either held in registers (STREAM false: RowTile<VEC>, read from memory
  * once) or streamed (STREAM true: each CTA owns a segment of nch chunks of P = 2048 VEC positions
  * and re-reads it per pass, so N is limited only by int32 indices). One template for both; the
- * register-tile instances are built in gvr_tile_a.cu / gvr_tile_b.cu, the streamed ones in
- * gvr_stream.cu.
+ * register-tile instances are built in gvr_tile_[ab][123].cu, the streamed ones in
+ * gvr_stream_[ab].cu; each instance holds a float32, a float16 and a bfloat16 kernel.
  *
  * Exchange design: a cluster barrier with release/acquire semantics costs ~0.65 us on an H100, a
  * relaxed one ~0.08 us (benchmarks/RESULTS.md), so the search never uses a release barrier: each
@@ -222,9 +222,9 @@ __device__ __forceinline__ int out_class(uint32_t key, int idx, uint32_t ka, uin
     }
 }
 
-template <bool CLUSTER, int VEC, bool STREAM>
+template <typename T, bool CLUSTER, int VEC, bool STREAM>
 __global__ void __launch_bounds__(THREADS, 1)
-    gvr_topk_gvr_kernel(const float *__restrict__ scores, long long row_stride, int N, RowGeom rg,
+    gvr_topk_gvr_kernel(const T *__restrict__ scores, long long row_stride, int N, RowGeom rg,
                         const int *__restrict__ prev, long long prev_stride, int pdiv, int Kp, int k,
                         int *__restrict__ out, long long out_stride, OutMap om, int C, int nch)
 {
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         pad_tail(ro, kk, k);
     if (kk == 0)
         return; /* uniform over the cluster */
-    const float *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
+    const T *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
     constexpr int P = RowTile<VEC>::P;
     const int S = nch * P; /* positions per CTA: [rank * S, rank * S + S), aligned coordinates */
     const int seg = rank * S, shift = row_shift(xr);
@@ -295,12 +295,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < SPT; i++) {
             const int j = t + i * THREADS;
-            sval[i] = j < sm ? __ldg(xr + (int)(((long long)j * L) / sm)) : __int_as_float(0x7FC00000);
+            sval[i] = j < sm ? Elem<T>::ld(xr + (int)(((long long)j * L) / sm)) : __int_as_float(0x7FC00000);
         }
 #pragma unroll
         for (int i = 0; i < PRED_PER_THREAD; i++)
-            pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? __ldg(xr + pidx[i]) : __int_as_float(0x7FC00000);
-        pivot = __ldg(xr + ((p0 >= 0 && p0 < L) ? p0 : 0));
+            pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? Elem<T>::ld(xr + pidx[i]) : __int_as_float(0x7FC00000);
+        pivot = Elem<T>::ld(xr + ((p0 >= 0 && p0 < L) ? p0 : 0));
     }
     if constexpr (!STREAM && !RAW_FIRST)
         tile.convert(); /* while the gathers are in flight */
@@ -771,14 +771,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <bool STREAM>
 constexpr size_t GVR_DYN_SMEM = STREAM ? (size_t)GVR_COLLECT_CAP * sizeof(uint2) : 0;
 
-/* set the kernel's function attributes on device dev (once per device) */
-template <bool CLUSTER, int VEC, bool STREAM>
+/* set the kernel's function attributes on device dev (once per device and score type) */
+template <typename T, bool CLUSTER, int VEC, bool STREAM>
 cudaError_t gvr_configure(int dev)
 {
     static DeviceCache<1> configured;
     if (configured.get(dev, 0))
         return cudaSuccess;
-    auto fn = gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>;
+    auto fn = gvr_topk_gvr_kernel<T, CLUSTER, VEC, STREAM>;
     if (CLUSTER) {
         const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
         if (e != cudaSuccess)
@@ -800,8 +800,8 @@ int GvrInstance<CLUSTER, VEC, STREAM>::resident_rows(int dev, int C)
     int n = cache.get(dev, C);
     if (n > 0)
         return n;
-    auto fn = gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>;
-    if (gvr_configure<CLUSTER, VEC, STREAM>(dev) == cudaSuccess) {
+    auto fn = gvr_topk_gvr_kernel<float, CLUSTER, VEC, STREAM>; /* the plan's: float32 instance */
+    if (gvr_configure<float, CLUSTER, VEC, STREAM>(dev) == cudaSuccess) {
         if (CLUSTER) {
             LaunchConfig lc((unsigned)C, THREADS, C, GVR_DYN_SMEM<STREAM>, nullptr, false);
             if (cudaOccupancyMaxActiveClusters(&n, fn, &lc.cfg) != cudaSuccess)
@@ -820,17 +820,30 @@ int GvrInstance<CLUSTER, VEC, STREAM>::resident_rows(int dev, int C)
     return n;
 }
 
-template <bool CLUSTER, int VEC, bool STREAM>
-cudaError_t GvrInstance<CLUSTER, VEC, STREAM>::launch(const gvr_topk_params *p, int dev, int C, int nch, cudaStream_t stream)
+template <typename T, bool CLUSTER, int VEC, bool STREAM>
+cudaError_t gvr_launch_t(const gvr_topk_params *p, int dev, int C, int nch, cudaStream_t stream)
 {
-    const cudaError_t e = gvr_configure<CLUSTER, VEC, STREAM>(dev);
+    const cudaError_t e = gvr_configure<T, CLUSTER, VEC, STREAM>(dev);
     if (e != cudaSuccess)
         return e;
     LaunchConfig lc((unsigned)(C * p->B), THREADS, C, GVR_DYN_SMEM<STREAM>, stream);
-    return cudaLaunchKernelEx(&lc.cfg, gvr_topk_gvr_kernel<CLUSTER, VEC, STREAM>, p->scores, (long long)p->row_stride,
-                              p->N, row_geom(p), p->prev, (long long)p->prev_stride, prev_div(p), p->prev ? p->Kp : 0,
-                              p->k, p->out,
-                              (long long)p->out_stride, first_out_map(p), C, nch);
+    return cudaLaunchKernelEx(&lc.cfg, gvr_topk_gvr_kernel<T, CLUSTER, VEC, STREAM>, static_cast<const T *>(p->scores),
+                              (long long)p->row_stride, p->N, row_geom(p), p->prev, (long long)p->prev_stride,
+                              prev_div(p), p->prev ? p->Kp : 0, p->k, p->out, (long long)p->out_stride,
+                              first_out_map(p), C, nch);
+}
+
+template <bool CLUSTER, int VEC, bool STREAM>
+cudaError_t GvrInstance<CLUSTER, VEC, STREAM>::launch(const gvr_topk_params *p, int dev, int C, int nch, cudaStream_t stream)
+{
+    switch (p->score_dtype) {
+    case GVR_TOPK_F16:
+        return gvr_launch_t<__half, CLUSTER, VEC, STREAM>(p, dev, C, nch, stream);
+    case GVR_TOPK_BF16:
+        return gvr_launch_t<__nv_bfloat16, CLUSTER, VEC, STREAM>(p, dev, C, nch, stream);
+    default:
+        return gvr_launch_t<float, CLUSTER, VEC, STREAM>(p, dev, C, nch, stream);
+    }
 }
 
 #ifdef GVR_PROFILE

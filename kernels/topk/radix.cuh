@@ -1,4 +1,4 @@
-/* radix.cuh: the radix Top-K kernel, gvr_topk_radix_kernel<C, VEC>: one cluster of C CTAs per row
+/* radix.cuh: the radix Top-K kernel, gvr_topk_radix_kernel<T, C, VEC> (T the score type): one cluster of C CTAs per row
  * (C in {1, 2, 4, 8, 16}), the row held in registers as stored keys (RowTile<VEC>, rank r holding
  * positions [r*P, (r+1)*P)) and read from memory once.
  *
@@ -9,7 +9,7 @@
  * over the cluster. Ties at the k-th key: the rounds search the index bound among the elements equal
  * to it (the lowest indices win), on pseudo-keys len - idx in evenly spaced key bins (tie_search).
  * Output: each CTA's selected count -> block scan + cluster prefix -> ordered, deterministic writes.
- * Included by radix.cu only. */
+ * Included by radix_[abcd].cu only. */
 #pragma once
 
 #include <cooperative_groups.h>
@@ -217,9 +217,9 @@ __device__ Interval tie_search(RadixShared &s, int &par, Interval iv, int kk, Ke
     return iv;
 }
 
-template <int C, int VEC>
+template <typename T, int C, int VEC>
 __global__ void __launch_bounds__(THREADS, 1)
-    gvr_topk_radix_kernel(const float *__restrict__ scores, long long row_stride, int N, RowGeom rg, int k,
+    gvr_topk_radix_kernel(const T *__restrict__ scores, long long row_stride, int N, RowGeom rg, int k,
                           int *__restrict__ out, long long out_stride, OutMap om)
 {
     pdl_enter();
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         pad_tail(ro, kk, k);
     if (kk == 0)
         return;
-    const float *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
+    const T *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
 
     PROF_RESET();
     PROF(0);
@@ -332,10 +332,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---- launcher --------------------------------------------------------------------------------- */
 
-template <int C, int VEC>
-cudaError_t RadixInstance<C, VEC>::launch(const gvr_topk_params *p, int dev, cudaStream_t stream)
+template <typename T, int C, int VEC>
+cudaError_t radix_launch_t(const gvr_topk_params *p, int dev, cudaStream_t stream)
 {
-    auto fn = gvr_topk_radix_kernel<C, VEC>;
+    auto fn = gvr_topk_radix_kernel<T, C, VEC>;
     if constexpr (C > 8) {
         static DeviceCache<1> configured; /* function attributes are set per device */
         if (!configured.get(dev, 0)) {
@@ -346,8 +346,21 @@ cudaError_t RadixInstance<C, VEC>::launch(const gvr_topk_params *p, int dev, cud
         }
     }
     LaunchConfig lc((unsigned)(C * p->B), THREADS, C, 0, stream);
-    return cudaLaunchKernelEx(&lc.cfg, fn, p->scores, (long long)p->row_stride, p->N, row_geom(p), p->k, p->out,
-                              (long long)p->out_stride, first_out_map(p));
+    return cudaLaunchKernelEx(&lc.cfg, fn, static_cast<const T *>(p->scores), (long long)p->row_stride, p->N,
+                              row_geom(p), p->k, p->out, (long long)p->out_stride, first_out_map(p));
+}
+
+template <int C, int VEC>
+cudaError_t RadixInstance<C, VEC>::launch(const gvr_topk_params *p, int dev, cudaStream_t stream)
+{
+    switch (p->score_dtype) {
+    case GVR_TOPK_F16:
+        return radix_launch_t<__half, C, VEC>(p, dev, stream);
+    case GVR_TOPK_BF16:
+        return radix_launch_t<__nv_bfloat16, C, VEC>(p, dev, stream);
+    default:
+        return radix_launch_t<float, C, VEC>(p, dev, stream);
+    }
 }
 
 #ifdef GVR_PROFILE

@@ -7,12 +7,26 @@
 
 namespace gvr::topk {
 
+template <typename T, int ITEMS>
+static cudaError_t sort_launch_t(const gvr_topk_params *p, cudaStream_t stream)
+{
+    LaunchConfig lc((unsigned)p->B, THREADS, 0, 0, stream);
+    return cudaLaunchKernelEx(&lc.cfg, gvr_topk_sort_kernel<T, ITEMS>, static_cast<const T *>(p->scores),
+                              (long long)p->row_stride, p->N, row_geom(p), p->k, p->out, (long long)p->out_stride,
+                              out_map(p));
+}
+
 template <int ITEMS>
 static cudaError_t sort_launch_items(const gvr_topk_params *p, cudaStream_t stream)
 {
-    LaunchConfig lc((unsigned)p->B, THREADS, 0, 0, stream);
-    return cudaLaunchKernelEx(&lc.cfg, gvr_topk_sort_kernel<ITEMS>, p->scores, (long long)p->row_stride, p->N,
-                              row_geom(p), p->k, p->out, (long long)p->out_stride, out_map(p));
+    switch (p->score_dtype) {
+    case GVR_TOPK_F16:
+        return sort_launch_t<__half, ITEMS>(p, stream);
+    case GVR_TOPK_BF16:
+        return sort_launch_t<__nv_bfloat16, ITEMS>(p, stream);
+    default:
+        return sort_launch_t<float, ITEMS>(p, stream);
+    }
 }
 
 cudaError_t sort_launch(const gvr_topk_params *p, cudaStream_t stream)

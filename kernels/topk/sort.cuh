@@ -13,9 +13,9 @@
 
 namespace gvr::topk {
 
-template <int ITEMS>
+template <typename T, int ITEMS>
 __global__ void __launch_bounds__(THREADS, 1)
-    gvr_topk_sort_kernel(const float *__restrict__ scores, long long row_stride, int N, RowGeom rg, int k,
+    gvr_topk_sort_kernel(const T *__restrict__ scores, long long row_stride, int N, RowGeom rg, int k,
                          int *__restrict__ out, long long out_stride, OutMap om)
 {
     pdl_enter();
@@ -33,14 +33,14 @@ __global__ void __launch_bounds__(THREADS, 1)
             ro.put(0, orow[0]);
         return;
     }
-    const float *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
+    const T *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
     unsigned long long item[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; i++) {
         const int pos = threadIdx.x * ITEMS + i;
         if (pos < kk) {
             const int idx = orow[pos];
-            const uint32_t key = stored_key(__ldg(xr + idx));
+            const uint32_t key = stored_key(Elem<T>::ld(xr + idx));
             item[i] = ((unsigned long long)(~key) << 32) | (unsigned)idx;
         } else {
             item[i] = ~0ull;

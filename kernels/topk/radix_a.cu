@@ -1,5 +1,6 @@
-/* radix.cu: the radix Top-K kernel's 20 instances (radix.cuh): clusters of C in {1, 2, 4, 8, 16}
- * CTAs holding VEC in {2, 4, 8, 16} float4s per thread; topk.cu picks one per launch. */
+/* radix_a.cu: radix Top-K kernel instances (radix.cuh) for clusters of C in {1, 2} CTAs holding VEC in
+ * {2, 4, 8, 16} float4s per thread, each with its float32, float16 and bfloat16 kernels; topk.cu picks one
+ * per  launch. The 20 instances are spread over radix_[abcd].cu to compile in parallel. */
 #include "topk/radix.cuh"
 
 namespace gvr::topk {
@@ -11,9 +12,6 @@ namespace gvr::topk {
     template struct RadixInstance<C, 16>;
 GVR_RADIX_VECS(1)
 GVR_RADIX_VECS(2)
-GVR_RADIX_VECS(4)
-GVR_RADIX_VECS(8)
-GVR_RADIX_VECS(16)
 #undef GVR_RADIX_VECS
 
 } // namespace gvr::topk

@@ -1,0 +1,13 @@
+/* gvr_tile_a3.cu: register-tile instances of the GVR kernel (gvr.cuh, STREAM false) for one CTA per row,
+ * VEC in  {9, 10, 12} of GVR_TILE_VECS; each instance holds its float32, float16 and bfloat16 kernels. The
+ * instances are spread over gvr_tile_[ab][123].cu so that the files compile in parallel in about the same
+ * time. */
+#include "topk/gvr.cuh"
+
+namespace gvr::topk {
+
+template struct GvrInstance<false, 9, false>;
+template struct GvrInstance<false, 10, false>;
+template struct GvrInstance<false, 12, false>;
+
+} // namespace gvr::topk
