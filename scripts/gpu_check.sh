@@ -89,7 +89,7 @@ prr() {  # issue 13's pieces: their GPU tests, sanitizer, the demo on CUDA (thei
 sanitize() {  # $1: sanitize_case.py --only value; extra environment from the caller
   say "compute-sanitizer ($1)"
   for tool in memcheck racecheck; do
-    (cd /tmp && timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$tool.log" 2>&1
+    (cd /tmp && timeout 420 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$tool.log") clean summaries)"; tail -3 "$OUT/sanitizer_$1_$tool.log"
   done
 }

@@ -77,7 +77,7 @@ if only in (None, "topk"):
             got = gvr.topk_decode(xr, 300, lengths=ln[:2], next_n=2, prev_topk=prev2, sorted=s, method=method)
     # half-precision scores read directly, rows starting at every offset from an 8-byte boundary
     for dt in (torch.float16, torch.bfloat16):
-        xh = xr.to(dt)
+        xh = xr[:3].to(dt)
         for method in ("gvr", "radix"):
             got = gvr.topk_decode(xh, 300, row_starts=st[:3].clone(), lengths=ln[:3].clone(), sorted=True,
                                   method=method)
