@@ -133,6 +133,12 @@ static int run_cpu(gvr_topk_params *p, const gvr_intake *in, int32_t *len_copy, 
 {
     if (host_rows(p, &in->view[LENGTHS], &in->view[STARTS], len_copy, start_copy) < 0)
         return -1;
+    /* method auto leaves the hint out, as on CUDA: measured, it never made the C path faster and cost
+     * 1-6% on a warm row (benchmarks/RESULTS.md, issue 15's sweep); method "gvr" still uses it */
+    if (p->method == GVR_TOPK_AUTO) {
+        p->prev = NULL;
+        p->Kp = 0;
+    }
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = topk_decode_cpu(p);

@@ -160,14 +160,16 @@ def main(argv=None) -> int:
         reps = 10
         print(f"timing: µs, median of {reps} calls per step on the same row (warm cache: optimistic; "
               f"benchmarks/bench_topk.py rotates inputs)")
-        print("  gvr+prev: prev_topk = the previous step's result; gvr: no prediction; "
+        print("  gvr+prev: prev_topk = the previous step's result, passed as a user would (method 'auto' leaves it "
+              "out: measured, it never made a call faster); gvr: no prediction; "
               "argpart: np.argpartition(-x, k)[:k]; speedup = argpart / gvr+prev")
         print(f"{'step':>4} {'N':>8} {'gvr+prev':>10} {'gvr':>10} {'argpart':>10} {'speedup':>8} {'overlap':>8}  exact")
     else:
         reps = 20
         print(f"timing: µs per call, a CUDA graph of {reps} calls on the same row replayed (how decode loops run; "
               f"warm L2: optimistic; benchmarks/bench_topk.py has cold-L2 and eager numbers)")
-        print("  gvr+prev: prev_topk = the previous step's result; gvr: no prediction; radix: method='radix'; "
+        print("  gvr+prev: prev_topk = the previous step's result, passed as a user would (method 'auto' leaves it "
+              "out: measured, it never made a call faster); gvr: no prediction; radix: method='radix'; "
               "torch: torch.topk(x, k, sorted=False)")
         print(f"{'step':>4} {'N':>8} {'gvr+prev':>10} {'gvr':>10} {'radix':>10} {'torch':>10} "
               f"{'vs torch':>8} {'vs radix':>8} {'overlap':>8}  exact")

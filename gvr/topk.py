@@ -148,10 +148,11 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
                defaults to torch's current stream on the scores' device, or CuPy's current stream.
                Accepted and ignored for CPU inputs (NumPy, CPU tensors). Not supported under
                torch.compile: use ``with torch.cuda.stream(s):`` there.
-    method:    "auto" (the fastest exact path measured for the shape; on CUDA it leaves ``prev_topk``
-               out, which measured never faster), "gvr" (uses the hint) or "radix" — a CUDA
-               choice. Every method gives the same result; on the CPU all three run its one
-               implementation, so code written for the GPU runs unchanged there.
+    method:    "auto" (the fastest exact path measured for the shape; it leaves ``prev_topk`` out,
+               which measured never faster, on the CPU or on CUDA: passing a hint never costs time),
+               "gvr" (uses the hint) or "radix" — a CUDA choice. Every method gives the same result;
+               on the CPU all three run its one implementation (with the hint for "gvr" and
+               "radix"), so code written for the GPU runs unchanged there.
     block_table, page_size: DSA's page-table transform, fused into the Top-K: with an int32
                ``[B, max_pages]`` (``[max_pages]`` for 1-D scores) block table of pages of
                ``page_size`` tokens (max_pages * page_size >= N), ``out`` receives the physical KV
