@@ -3,9 +3,6 @@
 # $OUT (default /tmp/gvr_out). Usage: bash scripts/gpu_check.sh MODE [MODE ...], run from the repo root.
 #   check    GPU tests (pytest -m gpu: kernels against the C path, opcheck and torch.compile on CUDA),
 #            compute-sanitizer memcheck + racecheck on small cases of every kernel path, the demo
-#   compare  before/after quick table: this build, then an older one carried in .old/ (its source tree in
-#            .old/src, its libgvr_cuda.so built for the chip at .old/libgvr_cuda_old.so), then this one
-#            again (run-to-run spread); JSON per run under $OUT
 #   attn     the attention operators only: their GPU tests, sanitizer on their cases, their benchmark
 #   prr      issue 13's pieces (Quest selection, EMA predictor, runtime): their GPU tests, sanitizer, CUDA demo
 #   attntests  the attention GPU tests only
@@ -213,7 +210,6 @@ build
 for mode in "${@:-check}"; do
   case $mode in
     check) check ;;
-    compare) compare ;;
     bench) bench ;;
     attn) attn ;;
     prr) prr ;;
