@@ -371,4 +371,11 @@ cudaError_t RadixInstance<C, VEC>::profile_read(long long *host)
 }
 #endif
 
+/* the explicit instances of one cluster size (radix_[abcd].cu): VEC in {2, 4, 8, 16} */
+#define GVR_RADIX_INSTANCES(C)                                                                        \
+    template struct RadixInstance<C, 2>;                                                              \
+    template struct RadixInstance<C, 4>;                                                              \
+    template struct RadixInstance<C, 8>;                                                              \
+    template struct RadixInstance<C, 16>;
+
 } // namespace gvr::topk

@@ -5,13 +5,7 @@
 
 namespace gvr::topk {
 
-#define GVR_RADIX_VECS(C)                                                                             \
-    template struct RadixInstance<C, 2>;                                                              \
-    template struct RadixInstance<C, 4>;                                                              \
-    template struct RadixInstance<C, 8>;                                                              \
-    template struct RadixInstance<C, 16>;
-GVR_RADIX_VECS(1)
-GVR_RADIX_VECS(2)
-#undef GVR_RADIX_VECS
+GVR_RADIX_INSTANCES(1)
+GVR_RADIX_INSTANCES(2)
 
 } // namespace gvr::topk

@@ -1,16 +1,10 @@
-/* radix_d.cu: radix Top-K kernel instances (radix.cuh) for clusters of C in {16} CTAs holding VEC in  {2,
+/* radix_d.cu: radix Top-K kernel instances (radix.cuh) for clusters of C in {16} CTAs holding VEC in {2,
  * 4, 8, 16} float4s per thread, each with its float32, float16 and bfloat16 kernels; topk.cu picks one per
  * launch. The 20 instances are spread over radix_[abcd].cu to compile in parallel. */
 #include "topk/radix.cuh"
 
 namespace gvr::topk {
 
-#define GVR_RADIX_VECS(C)                                                                             \
-    template struct RadixInstance<C, 2>;                                                              \
-    template struct RadixInstance<C, 4>;                                                              \
-    template struct RadixInstance<C, 8>;                                                              \
-    template struct RadixInstance<C, 16>;
-GVR_RADIX_VECS(16)
-#undef GVR_RADIX_VECS
+GVR_RADIX_INSTANCES(16)
 
 } // namespace gvr::topk
