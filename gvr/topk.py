@@ -33,14 +33,11 @@ def _flat_rows(scores, fw, row_starts):
     if rs is None or sh is None or len(rs) != 1 or int(rs[0]) <= 1 or not (len(sh) == 1 or (len(sh) == 2 and sh[0] == 1)):
         return scores
     B, N = int(rs[0]), int(sh[-1])
+    row = scores.reshape(1, N)
     if fw == "torch":
-        return scores.reshape(1, N).expand(B, N)
-    if fw == "numpy":
-        import numpy as np
-        return np.broadcast_to(scores.reshape(1, N), (B, N))
-    if fw == "cupy":
-        import cupy
-        return cupy.broadcast_to(scores.reshape(1, N), (B, N))
+        return row.expand(B, N)
+    if fw in ("numpy", "cupy"):
+        return __import__(fw).broadcast_to(row, (B, N))
     return scores
 
 
