@@ -147,7 +147,8 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
                torch.compile: use ``with torch.cuda.stream(s):`` there.
     method:    "auto" (the fastest exact path measured for the shape; it leaves ``prev_topk`` out,
                which measured never faster, on the CPU or on CUDA: passing a hint never costs time),
-               "gvr" (uses the hint) or "radix" — a CUDA choice. Every method gives the same result;
+               "gvr" (uses the hint for rows held in registers; streamed rows of large batches
+               ignore it) or "radix" — a CUDA choice. Every method gives the same result;
                on the CPU all three run its one implementation (with the hint for "gvr" and
                "radix"), so code written for the GPU runs unchanged there.
     block_table, page_size: DSA's page-table transform, fused into the Top-K: with an int32

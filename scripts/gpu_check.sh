@@ -18,6 +18,9 @@
 #   topkragged  bench_page_table --only-ragged (row_starts vs per-row calls vs padding)
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
+#   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
+#   profile  scripts/profile_phases.py with a -DGVR_PROFILE library built elsewhere and carried as
+#            build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
@@ -189,6 +192,19 @@ spardabench() {  # benchmarks/bench_sparda.py: gathers per method, matmul slowdo
   (cd /tmp && timeout -k 5 540 $PY "$ROOT/benchmarks/bench_sparda.py" --json "$OUT/results_sparda_cuda.json") 2>&1 | tee "$OUT/bench_sparda.log" | tail -40
 }
 
+topkquick() {  # the topk GPU tests, then the quick timing table (gvr with / without the hint, radix)
+  say "GPU tests (topk)"
+  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py test_topk_rows.py test_topk_half.py) 2>&1 | tee "$OUT/pytest_topk.log" | tail -8
+  say "quick_gpu_bench"
+  (cd /tmp && timeout 300 $PY "$ROOT/scripts/quick_gpu_bench.py" --n 32768 65536 131072 262144 --json "$OUT/quick_topk.json") 2>&1 | tee "$OUT/quick_topk.log" | tail -30
+}
+
+profile() {  # per-phase clock stamps from a debug library (build/libprof.so.gz, carried)
+  say "profile_phases"
+  gunzip -c build/libprof.so.gz > /tmp/libprof.so || return
+  (cd /tmp && timeout 120 $PY "$ROOT/scripts/profile_phases.py" /tmp/libprof.so ${PP_CASES:+--cases "$PP_CASES"}) 2>&1 | tee "$OUT/profile.log" | tail -30
+}
+
 hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev_topk over overlaps 2-95%
   say "bench_topk hint sweep"
   (cd /tmp && timeout 500 $PY "$ROOT/benchmarks/bench_topk.py" --device cuda --workloads trace02 trace20 trace45 trace70 \
@@ -229,6 +245,8 @@ for mode in "${@:-check}"; do
     spardapipe) spardapipe ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
+    topkquick) topkquick ;;
+    profile) profile ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

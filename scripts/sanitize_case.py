@@ -24,6 +24,11 @@ if only in (None, "topk"):
     cases.append(np.stack([data.adversarial("all_equal", 20001, k=64), data.adversarial("nan_heavy", 20001, k=64)]))
     # streamed GVR kernel: one CTA per row (300 rows), and 3-CTA clusters re-reading 200K rows in chunks
     cases.append(rng.standard_normal((300, 3000)).astype(np.float32))
+    # streamed, the k-th below the verify pass's threshold (half of each row tied at 5.0 under a
+    # bimodal sample whose normal-quantile estimate lands above every element): rounds from the row
+    tied = rng.standard_normal((300, 3000)).astype(np.float32)
+    tied[:, ::2] = 5.0
+    cases.append(tied)
     cases.append(rng.standard_normal((40, 200001)).astype(np.float32))
     for x in cases:
         xg = torch.from_numpy(x).cuda()

@@ -257,16 +257,17 @@ def test_streamed_geometries(B, N):
 
 
 def test_streamed_collection_fallbacks():
-    # The streamed kernel collects the elements above a threshold bin during its first pass and
+    # The streamed kernel collects the elements at or above a threshold during its first pass and
     # reads them instead of the row afterwards. Its two fallbacks must give the same sets:
-    # (1) a warp's segment overflows (k = 30000 of 262144 at B=64: ~17K collected per CTA);
+    # (1) a warp's segment overflows (k = 60000 of 262144 at B=64: ~35K collected per CTA, whose
+    #     warps hold 1024 pairs each);
     # (2) the k-th value lies below the threshold (half the row tied at 5.0 under a bimodal sample
     #     whose normal-quantile estimate lands far above it); plus the plain path for contrast.
     B, N = 64, 262144
     x = data.iid_scores(B, N, dist="normal", seed=11)
     tied = x.copy()
     tied[:, ::2] = 5.0
-    for scores, k in ((x, 30000), (tied, 2048), (x, 2048)):
+    for scores, k in ((x, 60000), (tied, 2048), (x, 2048)):
         want = cpu_result(scores, k)
         xg = gpu(scores)
         for prev in (None, gpu(want)):

@@ -26,11 +26,14 @@
  *    previous Top-K sits in the upper tail); otherwise the sample's estimate is the center. The
  *    first round spreads 254 bins evenly in value over center +- spread, one bin below, one above
  *    (the bin above the band is counted in registers: it can hold many elements).
- *  - Streamed rows: chunks read with the next chunk's loads in flight; 32-bit counts. The first
- *    pass also collects the (key, index) pairs of bins >= coll_bin (a threshold below the guessed
- *    k-th value) into per-warp shared-memory segments at ballot offsets; when no warp overflowed
- *    (flags exchanged in the unused histogram bin 0) and the kk-th lies at or above coll_bin, later
- *    rounds and the output read the pairs, not the row; otherwise they re-read the row.
+ *  - Streamed rows: chunks read with the next chunk's loads in flight; 32-bit counts; no prediction
+ *    (measured: no threshold from it beat the sample's, and where the previous Top-K mostly persists
+ *    its statistics put the threshold above the k-th value). The first pass (verify) only compares
+ *    each element with tc, the sample's estimate of the 1.15 k-th value, and
+ *    collects the (key, index) pairs at or above it into per-warp shared-memory segments at ballot
+ *    offsets: no histogram and no shared atomics, so it runs at the speed of the loads. When at
+ *    least kk lie at or above tc and no warp overflowed, the rounds and the output read the pairs,
+ *    not the row (one pass over the row in all); otherwise they re-read the row.
  *  - Register-held rows stay raw floats while the rounds and the output can compare values (value
  *    maps, key-aligned bounds); they become stored keys only when a round needs keys (shift maps,
  *    ties at the boundary).
@@ -226,7 +229,7 @@ template <typename T, bool CLUSTER, int VEC, bool STREAM>
 __global__ void __launch_bounds__(THREADS, 1)
     gvr_topk_gvr_kernel(const T *__restrict__ scores, long long row_stride, int N, RowGeom rg,
                         const int *__restrict__ prev, long long prev_stride, int pdiv, int Kp, int k,
-                        int *__restrict__ out, long long out_stride, OutMap om, int C, int nch)
+                        int *__restrict__ out, long long out_stride, OutMap om, int C, int nch, int seg_cap)
 {
     pdl_enter();
     __shared__ GvrShared<STREAM> s;
@@ -266,7 +269,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     /* loads: prediction indices, the row, the scores at the predicted indices */
     const bool search = kk < L && L > CAND_CAP;
     int pidx[PRED_PER_THREAD];
-    const int kp = prev ? Kp : 0;
+    /* streamed rows leave the prediction out: their threshold comes from the sample (below), and
+     * gathering the predicted scores only costs latency there */
+    const int kp = prev && !STREAM ? Kp : 0;
     const int np = kp < PRED_STATS ? kp : PRED_STATS; /* entries read: prev[j * kp / np], j < np */
     const int *pr = prev ? prev + (long long)(row / pdiv) * prev_stride : nullptr;
     int p0 = -1; /* the first predicted index: its score is the statistics' pivot */
@@ -329,7 +334,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     BinMap map = shift_map(A, Z);
-    int coll_bin = GVR_BINS; /* streamed: first-pass elements in bins >= coll_bin are collected (GVR_BINS: none) */
+    /* streamed: the verify pass collects the elements >= tc (a value below the guessed k-th); band:
+     * the width of the value band searched below tc when fewer than kk lie above it */
+    bool verify = false;
+    float tc = 0.f, band = 0.f;
     bool use_pred = false;
     if (search) {
         /* Phase 1 (guess): mean and spread of the predicted scores and of a strided sample, in one
@@ -363,6 +371,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         const float frac = fminf(fmaxf(__fdividef(1.15f * (float)kk, (float)L), 1e-7f), 0.999999f);
         float center = mean_s + sd_s * 1.41421356f * erfcinvf(2.f * frac); /* normal quantile of the sample */
         float spread = SAMPLE_SPREAD * sd_s;
+        /* streamed: the verify pass collects from the sample's estimate (a threshold from the previous
+         * Top-K's statistics measured no faster, and where it mostly persists, 70-95% overlap, its
+         * mean lies above the k-th value and left fewer than kk above it: a second pass) */
+        tc = center;
         if (st[0] >= 16.f) {
             const float inp = __frcp_rn(st[0]), mdp = st[1] * inp, mean_p = pivot + mdp;
             const float sd_p = sqrtf(fmaxf(st[2] * inp - mdp * mdp, 0.f));
@@ -379,9 +391,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         const float inv_w = (float)(GVR_BINS - 2) * __frcp_rn(2.f * spread);
         if (spread > 0.f && value_layout_ok(center - spread, inv_w)) {
             map = value_map(center - spread, inv_w);
-            /* streamed: collect from the bin of center - sd/2 (prediction: the k-th value lies
-             * within ~0.1 sd of its center) or of the center (the sample's estimate runs low) */
-            coll_bin = 1 + (int)((float)(GVR_BINS - 2) * (use_pred ? (PRED_SPREAD - 0.5f) / (2.f * PRED_SPREAD) : 0.5f));
+            band = 2.f * spread;
+            verify = STREAM && isfinite(tc) && value_layout_ok(tc - band, (float)(GVR_BINS - 2) * __frcp_rn(band));
         }
     }
     if constexpr (CLUSTER)
@@ -394,10 +405,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     /* streamed: the pairs collected in the first pass (dynamic shared memory), their count in this
      * CTA, and whether every later pass reads them instead of the row (uniform over the cluster) */
     extern __shared__ __align__(16) uint2 xbuf[];
-    constexpr int WSEG = GVR_COLLECT_CAP / WARPS; /* each warp collects into its own segment */
-    uint2 *wseg = xbuf + warp * WSEG;
-    int wcount = 0; /* pairs this warp found (uniform in the warp; > WSEG: overflowed) */
+    /* seg_cap: pairs per warp segment (streamed: the launch's collection capacity / WARPS) */
+    uint2 *wseg = xbuf + warp * seg_cap;
+    int wcount = 0; /* pairs this warp found (uniform in the warp; > seg_cap: overflowed) */
     bool from_buf = false;
+    int buf_len = 0; /* streamed, from_buf: the most pairs any warp of this CTA holds */
     bool chunk0_loaded = STREAM; /* streamed: `tile` holds chunk 0's loads until the first pass */
     /* register-held row: raw floats while every round and the output can work on values (value
      * maps, key-aligned bounds above NaN), stored keys from the first that cannot (to_keys) */
@@ -428,7 +440,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         if constexpr (!STREAM) {
             f(tile);
         } else if (from_buf) {
-            for (int q0 = 0; q0 < WSEG; q0 += 128 * VEC) { /* uniform trip count (f may scan) */
+            /* a trip count uniform over the CTA (f may scan): its fullest warp's pairs */
+            for (int q0 = 0; q0 < buf_len; q0 += 128 * VEC) {
                 PairTile<VEC> bt;
                 bt.load(wseg, wcount, q0);
                 f(bt);
@@ -438,47 +451,124 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
     };
 
-    /* rounds */
     int par = 0, value_rounds = 0;
     uint32_t phases = 0;
+    /* s.hist[0, nw) of every rank into s.recv[par][rank] of every CTA (st.async pushes to the peers'
+     * shared memory, completing on their parity-par mbarrier), then a block barrier; nw % 4 == 0 */
+    auto exchange = [&](int nw) {
+        if (t < nw)
+            s.recv[par][rank][t] = s.hist[t];
+        if constexpr (CLUSTER) {
+            uint64_t *const mbp = &s.mb[par];
+            const uint32_t mb = smem_u32(mbp);
+            if (t == 0)
+                mbar_expect_bytes(mbp, (uint32_t)((C - 1) * nw * 4));
+            const int nc16 = nw / 4; /* 16-byte pieces per peer */
+            for (int i = t; i < (C - 1) * nc16; i += THREADS) {
+                const int chunk = i % nc16, peer = (rank + 1 + i / nc16) % C;
+                const uint4 v = reinterpret_cast<const uint4 *>(s.hist)[chunk];
+                st_async_v4(peer_u32(smem_u32(&s.recv[par][rank][chunk * 4]), peer), v, peer_u32(mb, peer));
+            }
+            mbar_wait(mbp, (phases >> par) & 1u);
+            phases ^= 1u << par;
+        }
+        __syncthreads();
+    };
+
+    /* Streamed rows, GVR phase 2 (verify): one pass over the row that only compares each element
+     * with tc and collects those at or above it into this warp's shared-memory segment at ballot
+     * offsets (deterministic; no histogram, no shared atomics: the pass runs at the speed of the
+     * loads). The exchange gives every CTA each rank's count, the largest collected key and the
+     * overflow flags. At least kk at or above tc: the search continues on [tc, max] -- from the
+     * collected pairs when no warp overflowed (no further pass over the row), else from the row.
+     * Fewer: they are all selected, and the search continues below tc from the row. */
+    if (verify) { /* uniform over the cluster; verify implies STREAM (register-held rows keep the band
+                   * rounds: measured, a verify pass there costs one more cluster exchange than it saves) */
+        uint32_t kmax = 0u;
+        const unsigned lt = (1u << lane) - 1u;
+        chunks(std::true_type{}, [&](const RowTile<VEC> &tl) {
+#pragma unroll
+            for (int j = 0; j < VEC; j++)
+#pragma unroll
+                for (int l = 0; l < 4; l++) {
+                    /* raw floats: NaN (and the NaN loaded outside the row) fails the compare */
+                    const float v = __uint_as_float(tl.key[4 * j + l]);
+                    const bool c = v >= tc;
+                    const unsigned m = __ballot_sync(0xFFFFFFFFu, c);
+                    if (m) { /* warp-uniform */
+                        if (c) {
+                            const uint32_t key = stored_key(v);
+                            const int pos = wcount + __popc(m & lt);
+                            if (pos < seg_cap)
+                                wseg[pos] = make_uint2(key, (uint32_t)tl.index(j, l));
+                            kmax = key > kmax ? key : kmax;
+                        }
+                        wcount += __popc(m);
+                    }
+                }
+        });
+        PROF(25);
+        kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
+        if (lane == 0) {
+            if (wcount > seg_cap)
+                atomicOr(&s.hist[0], 1u);
+            if (wcount)
+                atomicAdd(&s.hist[1], (uint32_t)wcount);
+            atomicMax(&s.hist[2], kmax);
+            atomicMax(&s.hist[3], (uint32_t)wcount);
+        }
+        __syncthreads();
+        PROF(20);
+        exchange(4);
+        PROF(21);
+        int total = 0;
+        bool over = false;
+        uint32_t kmx = 0u;
+        for (int r = 0; r < C; r++) {
+            over |= s.recv[par][r][0] != 0u;
+            total += (int)s.recv[par][r][1];
+            kmx = s.recv[par][r][2] > kmx ? s.recv[par][r][2] : kmx;
+        }
+        const uint32_t kc = stored_key(tc);
+        if (t < C) {
+            const int cr = (int)s.recv[par][t][1];
+            if (total >= kk) {
+                s.inb[t] = cr;
+            } else {
+                s.above[t] = cr;
+                s.inb[t] -= cr;
+            }
+        }
+        if (t < 4)
+            s.hist[t] = 0u;
+        if (total >= kk) {
+            A = (unsigned long long)kc << 32;
+            Z = ((unsigned long long)kmx << 32) | 0xFFFFFFFFull;
+            cnt_in = total;
+            from_buf = STREAM && !over;
+            buf_len = (int)s.recv[par][rank][3]; /* <= seg_cap when no warp overflowed */
+            const float vmx = key_value(kmx), iw = (float)(GVR_BINS - 2) / (vmx - tc);
+            map = kmx < KEY_POS_INF && vmx > tc && value_layout_ok(tc, iw) ? value_map(tc, iw) : shift_map(A, Z);
+        } else {
+            Z = ((unsigned long long)kc << 32) - 1ull;
+            above_total = total;
+            cnt_in = L - total;
+            const float iw = (float)(GVR_BINS - 2) * __frcp_rn(band);
+            map = value_map(tc - band, iw); /* checked with verify */
+        }
+        par ^= 1;
+        __syncthreads(); /* s.hist, s.inb, s.above */
+        PROF(23);
+        PROFV(90, cnt_in);
+    }
+
+    /* rounds */
     while (cnt_in > CAND_CAP) {
         const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
         int top = 0; /* this thread's elements in the top bin (above the band: counted in a register) */
         /* bin 0 (below the band: most elements) follows from the totals; the two maps get their own
          * loops so that the hot one carries no per-element branch on the map kind */
-        const bool collecting = STREAM && par == 0 && value_rounds == 0 && !from_buf && map.value && coll_bin < GVR_BINS;
-        if (collecting) {
-            /* first streamed pass: count, and collect the elements of bins >= coll_bin into this
-             * warp's segment at ballot offsets (deterministic, no block barrier); a warp whose
-             * segment overflows raises this CTA's flag in histogram bin 0 (unused: it follows from
-             * the totals), so the exchange tells every CTA whether any rank overflowed */
-            /* on the raw floats: the first round's interval holds every valid element, value_bin
-             * of a stored key is value_bin_f of its float, and the NaN loaded past the row's end
-             * falls in bin 0 with the row's NaNs; only collected elements become stored keys */
-            const float v0 = map.lay.v0, iw = map.lay.inv_w;
-            const unsigned lt = (1u << lane) - 1u;
-            if constexpr (STREAM)
-                chunks(std::true_type{}, [&](const RowTile<VEC> &tl) {
-#pragma unroll
-                    for (int j = 0; j < VEC; j++)
-#pragma unroll
-                        for (int l = 0; l < 4; l++) {
-                            const float v = __uint_as_float(tl.key[4 * j + l]);
-                            const int b = value_bin_f<GVR_BINS>(v0, iw, v);
-                            top += b == GVR_BINS - 1;
-                            if (b && b < GVR_BINS - 1)
-                                Cnt::add(s.hist, b);
-                            const bool c = b >= coll_bin;
-                            const unsigned m = __ballot_sync(0xFFFFFFFFu, c);
-                            const int pos = wcount + __popc(m & lt);
-                            if (c && pos < WSEG)
-                                wseg[pos] = make_uint2(stored_key(v), (uint32_t)tl.index(j, l));
-                            wcount += __popc(m);
-                        }
-                });
-            if (lane == 0 && wcount > WSEG)
-                atomicOr(&s.hist[0], 1u);
-        } else if (!STREAM && tile_raw && map.value && kz >= 2u) {
+        if (!STREAM && tile_raw && map.value && kz >= 2u) {
             /* the register-held row on its raw floats: [A, Z] as values (key order is value order
              * with -0 == +0; the NaNs, and the NaN fill past the row's end, fail both compares, and
              * they would land in the uncounted bin 0 of any value map anyway) */
@@ -526,23 +616,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             Cnt::add(s.hist, GVR_BINS - 1, top);
         __syncthreads();
         PROF(20);
-        if (t < HW)
-            s.recv[par][rank][t] = s.hist[t];
-        if constexpr (CLUSTER) {
-            uint64_t *const mbp = &s.mb[par];
-            const uint32_t mb = smem_u32(mbp);
-            if (t == 0)
-                mbar_expect_bytes(mbp, (uint32_t)((C - 1) * HW * 4));
-            constexpr int NC16 = HW / 4; /* 16-byte pieces per peer */
-            for (int i = t; i < (C - 1) * NC16; i += THREADS) {
-                const int chunk = i % NC16, peer = (rank + 1 + i / NC16) % C;
-                const uint4 v = reinterpret_cast<const uint4 *>(s.hist)[chunk];
-                st_async_v4(peer_u32(smem_u32(&s.recv[par][rank][chunk * 4]), peer), v, peer_u32(mb, peer));
-            }
-            mbar_wait(mbp, (phases >> par) & 1u);
-            phases ^= 1u << par;
-        }
-        __syncthreads();
+        exchange(HW);
         PROF(21);
         if (t < HW)
             s.hist[t] = 0;
@@ -593,14 +667,6 @@ __global__ void __launch_bounds__(THREADS, 1)
                 s.above[warp] += u;
                 s.inb[warp] = bs ? Cnt::get(s.recv[par][warp], bs) : s.inb[warp] - u;
             }
-        }
-        if (collecting) {
-            /* later passes read the pairs when no rank overflowed (the flags exchanged in bin 0)
-             * and the kk-th lies at or above the collection bin */
-            bool over = false;
-            for (int r = 0; r < C; r++)
-                over |= s.recv[par][r][0] != 0u;
-            from_buf = !over && bs >= coll_bin;
         }
         __syncthreads(); /* s.edge */
         PROF(24);
@@ -769,7 +835,13 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* streamed: the collection buffer (dynamic shared memory) */
 template <bool STREAM>
-constexpr size_t GVR_DYN_SMEM = STREAM ? (size_t)GVR_COLLECT_CAP * sizeof(uint2) : 0;
+constexpr size_t GVR_DYN_SMEM = STREAM ? (size_t)GVR_COLLECT_CAP_LONG * sizeof(uint2) : 0; /* the most */
+
+/* streamed: the collection capacity of a launch whose CTAs hold nch chunks each (launch.h) */
+inline int gvr_collect_cap(int nch)
+{
+    return nch >= GVR_COLLECT_LONG_NCH ? GVR_COLLECT_CAP_LONG : GVR_COLLECT_CAP;
+}
 
 /* set the kernel's function attributes on device dev (once per device and score type) */
 template <typename T, bool CLUSTER, int VEC, bool STREAM>
@@ -826,11 +898,12 @@ cudaError_t gvr_launch_t(const gvr_topk_params *p, int dev, int C, int nch, cuda
     const cudaError_t e = gvr_configure<T, CLUSTER, VEC, STREAM>(dev);
     if (e != cudaSuccess)
         return e;
-    LaunchConfig lc((unsigned)(C * p->B), THREADS, C, GVR_DYN_SMEM<STREAM>, stream);
+    const int cap = STREAM ? gvr_collect_cap(nch) : 0;
+    LaunchConfig lc((unsigned)(C * p->B), THREADS, C, (size_t)cap * sizeof(uint2), stream);
     return cudaLaunchKernelEx(&lc.cfg, gvr_topk_gvr_kernel<T, CLUSTER, VEC, STREAM>, static_cast<const T *>(p->scores),
                               (long long)p->row_stride, p->N, row_geom(p), p->prev, (long long)p->prev_stride,
                               prev_div(p), p->prev ? p->Kp : 0, p->k, p->out, (long long)p->out_stride,
-                              first_out_map(p), C, nch);
+                              first_out_map(p), C, nch, cap / WARPS);
 }
 
 template <bool CLUSTER, int VEC, bool STREAM>

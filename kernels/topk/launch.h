@@ -19,8 +19,14 @@ constexpr int GVR_TILE_VECS[] = {2, 3, 4, 5, 6, 8, 9, 10, 12};
 /* float4s per thread of the streamed GVR instances (gvr_stream.cu): chunks of 2048 * 4 positions */
 constexpr int GVR_STREAM_VEC = 4;
 constexpr int GVR_STREAM_MAX_C = 8;
-/* streamed GVR: (key, index) pairs one CTA collects in shared memory during its first pass */
+/* streamed GVR: (key, index) pairs one CTA collects in shared memory during its first pass: 8192
+ * (64 KB) for segments of up to GVR_COLLECT_LONG_NCH - 1 chunks, 16384 (128 KB) for longer ones. The
+ * threshold leaves 1.2-6 k of a row above it (more for longer rows); with 8192, warp segments
+ * overflowed on decode-trace rows of 256K at B=64 (the row read again: 2x slower, measured,
+ * benchmarks/RESULTS.md); the shorter segments keep the 64 KB they had */
 constexpr int GVR_COLLECT_CAP = 8192;
+constexpr int GVR_COLLECT_CAP_LONG = 16384;
+constexpr int GVR_COLLECT_LONG_NCH = 10;
 /* AUTO takes the radix path up to this N (gvr_kernels.h) */
 constexpr int AUTO_RADIX_MAX_N = THREADS * 4 * 2;
 /* the radix kernel: clusters of 1..16 CTAs holding VEC in {2, 4, 8, 16} float4s per thread */

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Phase timing of the Top-K kernels: clock64 stamps of row 0, CTA 0, thread 0, read from a debug
+library built with -DGVR_PROFILE (kernels/common/profile.cuh). Debugging aid, not a benchmark.
+
+    python scripts/profile_phases.py PROFILE_LIB [--cases "N B,N B"]
+
+PROFILE_LIB replaces the installed gvr's libgvr_cuda.so for the run (restored afterwards). Tags (the
+kernels' PROF calls): 0 start, 1 loaded, 3 guess done (cluster wait), 25 verify pass done (streamed),
+per round 20 histogram, 21 exchange, 22 pick, 24 per-rank counts and bin edges, 23 round end; 30 output
+scan (per chunk when streamed), 31 candidates arrived, 32 ranked; 90 candidates left and 91 chosen
+bin are values, not cycles."""
+import argparse
+import ctypes
+import os
+import shutil
+import sys
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("lib")
+    ap.add_argument("--cases", default="131072 64,32768 64,262144 64,131072 1")
+    ap.add_argument("--k", type=int, default=2048)
+    a = ap.parse_args()
+    import importlib.util
+    # the installed library's path, found without importing gvr (which would load it)
+    spec = importlib.util.find_spec("gvr")
+    installed = os.path.join(spec.submodule_search_locations[0], "_lib", "libgvr_cuda.so")
+    backup = installed + ".release"
+    shutil.copyfile(installed, backup)
+    shutil.copyfile(a.lib, installed + ".tmp")
+    os.replace(installed + ".tmp", installed)  # a new file: nothing has it mapped
+    try:
+        run(a)
+    finally:
+        os.replace(backup, installed)
+
+
+def run(a):
+    # gvr loads the library now: the profile build
+    import torch
+    import gvr
+    from gvr import data
+    lib = ctypes.CDLL(gvr.build_info()["cuda_library"])
+    k = a.k
+    for case in a.cases.split(","):
+        N, B = (int(v) for v in case.split())
+        for ov in (0.45, 0.02):
+            tr = data.decode_trace_batch(1, N, 2, k=k, overlap=ov, seed=1)
+            prev = torch.from_numpy(gvr.topk_decode(tr[0][0], k)).cuda()
+            x = torch.from_numpy(np.tile(tr[1][0][:N], (B, 1))).cuda()
+            pb = prev.expand(B, k).contiguous()
+            for label, kw in (("gvr+prev", dict(prev_topk=pb, method="gvr")), ("gvr-noprev", dict(method="gvr"))):
+                for _ in range(3):
+                    gvr.topk_decode(x, k, **kw)
+                torch.cuda.synchronize()
+                buf = (ctypes.c_longlong * 64)()
+                lib.gvr_debug_clocks(buf)
+                n = buf[63]
+                t0 = buf[0] // 100
+                st = " ".join(f"{buf[i] % 100}:{buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)}" for i in range(n))
+                print(f"N={N} B={B} ov={ov} {label:10s} tag:cycles {st}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
