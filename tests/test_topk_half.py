@@ -130,3 +130,14 @@ def test_cuda_half_page_table_and_graph(cuda, dtype):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want_pos)
+
+
+def test_half_rows_longer_than_the_kept_buffer():
+    # the C path converts half rows into a per-thread buffer kept up to 2^20 elements; longer rows
+    # take a buffer of their own: both, in either order, give the float32 results
+    rng = np.random.default_rng(5)
+    long_row = rng.standard_normal((1, (1 << 20) + 3)).astype(np.float16)
+    short = rng.standard_normal((2, 5000)).astype(np.float16)
+    for x in (short, long_row, short, long_row[:, : 1 << 20]):
+        got = gvr.topk_decode(x, 100, sorted=True)
+        assert np.array_equal(got, expected_result(x.astype(np.float32), 100))

@@ -814,38 +814,36 @@ static int64_t row_len(const gvr_topk_params *p, int64_t b)
     return p->max_len > 0 && L > p->max_len ? p->max_len : L;
 }
 
-/* the exact float32 value of an IEEE binary16 / a bfloat16 */
-static float f16_value(uint16_t h)
+/* Half rows: their exact float32 values in this thread's row buffer (kept between calls: a malloc of
+ * a long row per row per call costs more than the conversion), then the float32 path. Branch-free
+ * loops, so that they vectorize. binary16: the exponent re-biased, inf/NaN (payload kept) to the
+ * float exponent 255, subnormals renormalized by an exact subtraction of normal floats (so that a
+ * flush-denormals mode does not change them); bfloat16: the upper half of a float32. */
+static void f16_to_f32(const uint16_t *h, int64_t n, float *restrict out)
 {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-    uint32_t bits;
-    if (e == 0x1Fu) /* inf, NaN (payload kept) */
-        bits = sign | 0x7F800000u | (m << 13);
-    else if (e != 0)
-        bits = sign | ((e + 112u) << 23) | (m << 13);
-    else if (m == 0)
-        bits = sign;
-    else { /* subnormal: m * 2^-24, normalized */
-        int sh = 0;
-        uint32_t mm = m;
-        while (!(mm & 0x400u)) {
-            mm <<= 1;
-            sh++;
-        }
-        bits = sign | ((uint32_t)(113 - sh) << 23) | ((mm & 0x3FFu) << 13);
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = h[i];
+        const uint32_t m = (u & 0x7FFFu) << 13, e = m & 0x0F800000u;
+        const uint32_t special = 0u - (uint32_t)(e == 0x0F800000u), sub = 0u - (uint32_t)(e == 0u); /* masks */
+        const uint32_t o = m + (112u << 23) + ((112u << 23) & special);
+        union { uint32_t u; float f; } s = {o + (1u << 23)}, r;
+        s.f -= 0x1p-14f; /* subnormal (e == 0): m * 2^-24 exactly */
+        r.u = (s.u & sub) | (o & ~sub) | (u & 0x8000u) << 16;
+        out[i] = r.f;
     }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
 }
 
-static float bf16_value(uint16_t h)
+static void bf16_to_f32(const uint16_t *h, int64_t n, float *restrict out)
 {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t r = (uint32_t)h[i] << 16;
+        memcpy(&out[i], &r, 4);
+    }
 }
+
+#define TLS_ROW_MAX (1 << 20) /* elements: at most 4 MB kept per thread */
+static _Thread_local float *tls_row;
+static _Thread_local int64_t tls_row_cap;
 
 static int topk_row_of(void *ctx, int64_t b)
 {
@@ -855,15 +853,25 @@ static int topk_row_of(void *ctx, int64_t b)
     const int64_t first = b * p->row_stride + (p->row_starts ? p->row_starts[b] : 0);
     if (p->score_dtype == GVR_TOPK_F32)
         return topk_row((const float *)p->scores + first, L, prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
-    /* half types: the row's exact float32 values (the order is theirs), then the float32 path */
-    float *row = malloc((size_t)(L > 0 ? L : 1) * sizeof *row);
-    if (!row)
-        return -1;
+    float *row = tls_row;
+    if (L > tls_row_cap) {
+        row = malloc((size_t)(L > 0 ? L : 1) * sizeof *row);
+        if (!row)
+            return -1;
+        if (L <= TLS_ROW_MAX) { /* kept for the next rows; longer ones are freed after use */
+            free(tls_row);
+            tls_row = row;
+            tls_row_cap = L;
+        }
+    }
     const uint16_t *h = (const uint16_t *)p->scores + first;
-    for (int64_t i = 0; i < L; i++)
-        row[i] = p->score_dtype == GVR_TOPK_F16 ? f16_value(h[i]) : bf16_value(h[i]);
+    if (p->score_dtype == GVR_TOPK_F16)
+        f16_to_f32(h, L, row);
+    else
+        bf16_to_f32(h, L, row);
     const int rc = topk_row(row, L, prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
-    free(row);
+    if (row != tls_row)
+        free(row);
     return rc;
 }
 
