@@ -11,7 +11,8 @@ compiles only what changed.
 
 Knobs: GVR_CUDA_ARCHS (default "90a;100a": Hopper and Blackwell machine code, plus PTX of the last
 for newer chips), GVR_SKIP_CUDA=1, GVR_REQUIRE_CUDA=1 (fail the build when the kernels do not build),
-GVR_WERROR=1 (warnings are errors; CI sets it), GVR_BUILD_JOBS, CUDA_HOME.
+GVR_WERROR=1 (warnings are errors; CI sets it), GVR_BUILD_JOBS, CUDA_HOME; GVR_PROFILE=1 (debug only:
+kernels with phase stamps, read by scripts/profile_phases.py).
 """
 import glob
 import hashlib
@@ -137,7 +138,9 @@ class BuildExt(build_ext):
             return
         archs, gencode = cuda_gencode(os.environ.get("GVR_CUDA_ARCHS", "90a;100a"))
         werror = ["-Werror=all-warnings"] if os.environ.get("GVR_WERROR") == "1" else ["-w"]
-        compile_flags = NVCC_FLAGS + werror + ["-I", "kernels", *gencode]
+        # GVR_PROFILE=1: a debug library with the kernels' phase stamps (scripts/profile_phases.py)
+        profile = ["-DGVR_PROFILE"] if os.environ.get("GVR_PROFILE") == "1" else []
+        compile_flags = NVCC_FLAGS + werror + profile + ["-I", "kernels", *gencode]
         # beside gvr._C: the source tree (--inplace, editable) or build/lib... (wheels)
         if getattr(self, "gvr_to_source", False):
             out_dir = os.path.join(HERE, "gvr", "_lib")

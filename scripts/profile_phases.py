@@ -4,7 +4,14 @@ library built with -DGVR_PROFILE (kernels/common/profile.cuh). Debugging aid, no
 
     python scripts/profile_phases.py PROFILE_LIB [--cases "N B,N B"]
 
-PROFILE_LIB replaces the installed gvr's libgvr_cuda.so for the run (restored afterwards). Tags (the
+PROFILE_LIB replaces the installed gvr's libgvr_cuda.so for the run (restored afterwards). Build it
+from a copy of the tree, where nvcc is (the GPU machine's build time is scarce), and carry it there:
+
+    cp -r . /tmp/prof && (cd /tmp/prof && GVR_PROFILE=1 GVR_CUDA_ARCHS=90a python setup.py build_ext --inplace)
+    gzip -c /tmp/prof/gvr/_lib/libgvr_cuda.so > build/libprof.so.gz
+    # device: carry build/libprof.so.gz; PP_CASES="131072 64" bash scripts/gpu_check.sh profile
+
+Tags (the
 kernels' PROF calls): 0 start, 1 loaded, 3 guess done (cluster wait), 25 verify pass done (streamed),
 per round 20 histogram, 21 exchange, 22 pick, 24 per-rank counts and bin edges, 23 round end; 30 output
 scan (per chunk when streamed), 31 candidates arrived, 32 ranked; 90 candidates left and 91 chosen
