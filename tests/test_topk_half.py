@@ -141,3 +141,16 @@ def test_half_rows_longer_than_the_kept_buffer():
     for x in (short, long_row, short, long_row[:, : 1 << 20]):
         got = gvr.topk_decode(x, 100, sorted=True)
         assert np.array_equal(got, expected_result(x.astype(np.float32), 100))
+
+
+def test_float16_subnormals_under_flush_denormal():
+    # torch.set_flush_denormal(True) sets the CPU's denormals-are-zero mode; the C path's float16
+    # conversion must not depend on it (subnormal halves are normal floats once converted)
+    if torch is None or not torch.set_flush_denormal(True):
+        pytest.skip("needs torch on a CPU with a flush-denormal mode")
+    try:
+        h = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+        got = gvr.topk_decode(h, 1 << 16, sorted=True)
+    finally:
+        torch.set_flush_denormal(False)
+    assert np.array_equal(got, gvr.topk_decode(h.astype(np.float32), 1 << 16, sorted=True))

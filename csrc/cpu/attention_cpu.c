@@ -45,22 +45,6 @@
 
 static inline size_t elem_size(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : 2; }
 
-/* n elements of type dtype at src -> floats */
-static void load_row(int32_t dtype, const void *src, float *restrict dst, int n)
-{
-    if (dtype == GVR_ELEM_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == GVR_ELEM_F16) {
-        const uint16_t *restrict s = (const uint16_t *)src;
-        for (int i = 0; i < n; i++)
-            dst[i] = gvr_f16_to_f32(s[i]);
-    } else {
-        const uint16_t *restrict s = (const uint16_t *)src;
-        for (int i = 0; i < n; i++)
-            dst[i] = gvr_bf16_to_f32(s[i]);
-    }
-}
-
 static void store_row(int32_t dtype, void *dst, const float *restrict src, int n)
 {
     if (dtype == GVR_ELEM_F32) {
@@ -356,7 +340,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline void axpy_avx2(float *y, 
         y[d] = __builtin_fmaf(w, x[d], y[d]);
 }
 
-/* F16 rows by F16C (exact, like f16_to_f32) */
+/* F16 rows by F16C (exact, like gvr_f16_to_f32) */
 __attribute__((target("avx2,fma,f16c"))) static inline const float *row_avx2(int32_t dtype, const void *x, int64_t off,
                                                                              float *buf, int D)
 {
@@ -471,7 +455,7 @@ static void attn_heads(const attn_ctx *c, const unit_scratch *u, int64_t b, int 
         const int64_t h = (int64_t)kv0 * Gq + g;
         const char *qrow = (const char *)p->q + (size_t)(b * p->q_stride_b + h * p->q_stride_h) * qes;
         float *qg = u->q + (size_t)g * D;
-        load_row(p->dtype, qrow, qg, D);
+        gvr_row_to_f32(p->dtype, qrow, qg, D);
         for (int d = 0; d < D; d++)
             qg[d] *= p->scale;
         u->m[g] = -INFINITY;
@@ -568,7 +552,7 @@ static void attn_heads(const attn_ctx *c, const unit_scratch *u, int64_t b, int 
         const float lnew = u->m[g] + logf(lg);
         if (p->accumulate) {
             float *prior = u->krow; /* free now */
-            load_row(p->out_dtype, orow, prior, D);
+            gvr_row_to_f32(p->out_dtype, orow, prior, D);
             float wa = 0.0f, wb = 0.0f, lo;
             const int plan = merge_plan(*lse, lnew, 0, &wa, &wb, &lo);
             merge_apply(plan, wa, wb, prior, ag, ag, D);
@@ -678,9 +662,9 @@ static int merge_unit(void *vctx, int64_t unit)
         for (int d0 = 0; d0 < p->D; d0 += MERGE_SPAN) {
             const int n = p->D - d0 < MERGE_SPAN ? p->D - d0 : MERGE_SPAN;
             if (plan == MERGE_A || plan == MERGE_BLEND)
-                load_row(p->dtype_a, va + (size_t)d0 * sa, a, n);
+                gvr_row_to_f32(p->dtype_a, va + (size_t)d0 * sa, a, n);
             if (plan == MERGE_B || plan == MERGE_BLEND)
-                load_row(p->dtype_b, vb + (size_t)d0 * sb, bv, n);
+                gvr_row_to_f32(p->dtype_b, vb + (size_t)d0 * sb, bv, n);
             merge_apply(plan, wa, wb, a, bv, a, n);
             store_row(p->dtype_out, vo + (size_t)d0 * so, a, n);
         }

@@ -1,6 +1,6 @@
 /* Element types of the CPU code: exact conversions of IEEE half and bfloat16 to float, and the
  * order-preserving integer keys of stored floats (IEEE 754 totalOrder on the bits). Header-only,
- * shared by the CPU operators (attention_cpu.c, prr_select_cpu.c); float -> half / bfloat16 round to
+ * shared by the CPU operators (attention_cpu.c, prr_select_cpu.c, sparda_cpu.c, topk_cpu.c); float -> half / bfloat16 round to
  * nearest even. */
 #ifndef GVR_CPU_ELEM_H
 #define GVR_CPU_ELEM_H
@@ -22,19 +22,35 @@ static inline float gvr_bits_f32(uint32_t u)
     return f;
 }
 
-/* IEEE half -> float, exact, branch-free: the 15 magnitude bits moved to float's exponent/mantissa
- * position and scaled by 2^112 give normals and subnormals alike; exponent 31 (inf, NaN: payload
- * kept) is patched. */
+/* IEEE half -> float, exact, branch-free (loops over it vectorize): the 15 magnitude bits moved to
+ * float's exponent/mantissa position with the exponent re-biased; exponent 31 (inf, NaN: payload
+ * kept) to 255; subnormals renormalized by an exact subtraction of two normal floats, so that a
+ * flush-denormals / denormals-are-zero mode (torch.set_flush_denormal) cannot change them. */
 static inline float gvr_f16_to_f32(uint16_t h)
 {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t em = h & 0x7FFFu;
-    const float scaled = gvr_bits_f32(em << 13) * 0x1p112f;
-    const uint32_t mag = em >= 0x7C00u ? ((em << 13) | 0x7F800000u) : gvr_f32_bits(scaled);
-    return gvr_bits_f32(mag | sign);
+    const uint32_t m = (uint32_t)(h & 0x7FFFu) << 13, e = m & 0x0F800000u;
+    const uint32_t special = 0u - (uint32_t)(e == 0x0F800000u), sub = 0u - (uint32_t)(e == 0u); /* masks */
+    const uint32_t o = m + (112u << 23) + ((112u << 23) & special);
+    const uint32_t s = gvr_f32_bits(gvr_bits_f32(o + (1u << 23)) - 0x1p-14f); /* e == 0: m * 2^-24 */
+    return gvr_bits_f32((s & sub) | (o & ~sub) | (uint32_t)(h & 0x8000u) << 16);
 }
 
 static inline float gvr_bf16_to_f32(uint16_t h) { return gvr_bits_f32((uint32_t)h << 16); }
+
+/* n elements of type dtype (0 float32, 1 IEEE half, 2 bfloat16: GVR_ELEM_* and GVR_TOPK_* of
+ * gvr_kernels.h) at src -> floats */
+static inline void gvr_row_to_f32(int32_t dtype, const void *src, float *restrict dst, int64_t n)
+{
+    const uint16_t *restrict h = (const uint16_t *)src;
+    if (dtype == 0)
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    else if (dtype == 1)
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = gvr_f16_to_f32(h[i]);
+    else
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = gvr_bf16_to_f32(h[i]);
+}
 
 /* float -> IEEE half, round to nearest even, in integers (no dependence on the FP environment).
  * Overflow gives inf; NaN stays a (quiet) NaN with the sign kept. */

@@ -155,21 +155,6 @@ int prr_block_metadata_cpu(const gvr_block_meta_params *p)
 
 /* ---- block scores -------------------------------------------------------------------------------- */
 
-static void to_float(int32_t dtype, const void *src, float *restrict dst, int n)
-{
-    if (dtype == GVR_ELEM_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == GVR_ELEM_F16) {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int i = 0; i < n; i++)
-            dst[i] = gvr_f16_to_f32(s[i]);
-    } else {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int i = 0; i < n; i++)
-            dst[i] = gvr_bf16_to_f32(s[i]);
-    }
-}
-
 /* the bits of element 0 of a meta row as a totalOrder key */
 static inline uint32_t key0(int32_t dtype, const void *row)
 {
@@ -231,7 +216,7 @@ static int scores_unit(void *vctx, int64_t unit)
         return -1;
     float *qf = scratch, *mn = qf + (size_t)GQ * D, *mx = mn + D, *v = mx + D;
     for (int g = 0; g < GQ; g++)
-        to_float(p->dtype, (const char *)p->q + (size_t)(b * p->q_stride_b + (int64_t)(h * GQ + g) * p->q_stride_h) * es,
+        gvr_row_to_f32(p->dtype, (const char *)p->q + (size_t)(b * p->q_stride_b + (int64_t)(h * GQ + g) * p->q_stride_h) * es,
                  qf + (size_t)g * D, D);
     const char *mrow = (const char *)p->meta + (size_t)(b * p->meta_stride_b + h * p->meta_stride_h) * es;
     for (int64_t j = 0; j < p->Nb; j++) {
@@ -248,8 +233,8 @@ static int scores_unit(void *vctx, int64_t unit)
             out[j] = INFINITY;
             continue;
         }
-        to_float(p->dtype, m0, mn, D);
-        to_float(p->dtype, m1, mx, D);
+        gvr_row_to_f32(p->dtype, m0, mn, D);
+        gvr_row_to_f32(p->dtype, m1, mx, D);
         float r = 0.0f;
         for (int g = 0; g < GQ; g++) {
             const float sg = head_score(qf + (size_t)g * D, mn, mx, D, v);

@@ -33,6 +33,7 @@
 #include "topk_cpu.h"
 
 #include "../../kernels/common/gvr_keys.h"
+#include "elem.h"
 #include "threads.h"
 
 #include <stdlib.h>
@@ -814,33 +815,9 @@ static int64_t row_len(const gvr_topk_params *p, int64_t b)
     return p->max_len > 0 && L > p->max_len ? p->max_len : L;
 }
 
-/* Half rows: their exact float32 values in this thread's row buffer (kept between calls: a malloc of
- * a long row per row per call costs more than the conversion), then the float32 path. Branch-free
- * loops, so that they vectorize. binary16: the exponent re-biased, inf/NaN (payload kept) to the
- * float exponent 255, subnormals renormalized by an exact subtraction of normal floats (so that a
- * flush-denormals mode does not change them); bfloat16: the upper half of a float32. */
-static void f16_to_f32(const uint16_t *h, int64_t n, float *restrict out)
-{
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t u = h[i];
-        const uint32_t m = (u & 0x7FFFu) << 13, e = m & 0x0F800000u;
-        const uint32_t special = 0u - (uint32_t)(e == 0x0F800000u), sub = 0u - (uint32_t)(e == 0u); /* masks */
-        const uint32_t o = m + (112u << 23) + ((112u << 23) & special);
-        union { uint32_t u; float f; } s = {o + (1u << 23)}, r;
-        s.f -= 0x1p-14f; /* subnormal (e == 0): m * 2^-24 exactly */
-        r.u = (s.u & sub) | (o & ~sub) | (u & 0x8000u) << 16;
-        out[i] = r.f;
-    }
-}
-
-static void bf16_to_f32(const uint16_t *h, int64_t n, float *restrict out)
-{
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t r = (uint32_t)h[i] << 16;
-        memcpy(&out[i], &r, 4);
-    }
-}
-
+/* Half rows: their exact float32 values (gvr_row_to_f32) in this thread's row buffer, kept between
+ * calls (a malloc of a long row per row per call cost more than the conversion), then the float32
+ * path. */
 #define TLS_ROW_MAX (1 << 20) /* elements: at most 4 MB kept per thread */
 static _Thread_local float *tls_row;
 static _Thread_local int64_t tls_row_cap;
@@ -864,11 +841,7 @@ static int topk_row_of(void *ctx, int64_t b)
             tls_row_cap = L;
         }
     }
-    const uint16_t *h = (const uint16_t *)p->scores + first;
-    if (p->score_dtype == GVR_TOPK_F16)
-        f16_to_f32(h, L, row);
-    else
-        bf16_to_f32(h, L, row);
+    gvr_row_to_f32(p->score_dtype, (const uint16_t *)p->scores + first, row, L);
     const int rc = topk_row(row, L, prev, Kp, p->k, p->sorted, p->out + b * p->out_stride);
     if (row != tls_row)
         free(row);
