@@ -135,9 +135,13 @@ budget() {  # gvr.prr.Budget.profile on this GPU -> $OUT/budget.json (the shippe
 for c, r in b.table['contexts'].items(): print(c, {k: (round(v, 1) if isinstance(v, float) else {kk: round(vv, 2) for kk, vv in v.items()}) for k, v in r.items()})") 2>&1 | tee "$OUT/budget.log" | tail -8
 }
 
+topktests() {  # topk_decode's GPU tests (every method, rows, half scores, page table)
+  say "GPU tests (topk)"
+  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py test_topk_rows.py test_topk_half.py) 2>&1 | tee "$OUT/pytest_topk.log" | tail -8
+}
+
 topkpt() {  # issue 15's page-table transform: its GPU tests, the top-k sanitizer cases, its benchmark
-  say "GPU tests (topk page table)"
-  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py test_topk_rows.py test_topk_half.py) 2>&1 | tee "$OUT/pytest_topk_pt.log" | tail -6
+  topktests
   sanitize topk
   say "bench_page_table"
   (cd /tmp && timeout 200 $PY "$ROOT/benchmarks/bench_page_table.py") 2>&1 | tee "$OUT/bench_page_table.log" | tail -14
@@ -193,8 +197,7 @@ spardabench() {  # benchmarks/bench_sparda.py: gathers per method, matmul slowdo
 }
 
 topkquick() {  # the topk GPU tests, then the quick timing table (gvr with / without the hint, radix)
-  say "GPU tests (topk)"
-  (cd tests && timeout 360 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=20 test_topk_gpu.py test_topk_rows.py test_topk_half.py) 2>&1 | tee "$OUT/pytest_topk.log" | tail -8
+  topktests
   say "quick_gpu_bench"
   (cd /tmp && timeout 300 $PY "$ROOT/scripts/quick_gpu_bench.py" --n 32768 65536 131072 262144 --json "$OUT/quick_topk.json") 2>&1 | tee "$OUT/quick_topk.log" | tail -30
 }
