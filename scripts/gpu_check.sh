@@ -19,8 +19,10 @@
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
-#   profile  scripts/profile_phases.py with a -DGVR_PROFILE library built elsewhere and carried as
-#            build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
+#   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
+#            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
+#   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases
+#   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
@@ -202,10 +204,52 @@ topkquick() {  # the topk GPU tests, then the quick timing table (gvr with / wit
   (cd /tmp && timeout 300 $PY "$ROOT/scripts/quick_gpu_bench.py" --n 32768 65536 131072 262144 --json "$OUT/quick_topk.json") 2>&1 | tee "$OUT/quick_topk.log" | tail -30
 }
 
-profile() {  # per-phase clock stamps from a debug library (build/libprof.so.gz, carried)
-  say "profile_phases"
-  gunzip -c build/libprof.so.gz > /tmp/libprof.so || return
-  (cd /tmp && timeout 120 $PY "$ROOT/scripts/profile_phases.py" /tmp/libprof.so ${PP_CASES:+--cases "$PP_CASES"}) 2>&1 | tee "$OUT/profile.log" | tail -30
+profile() {  # per-phase clock stamps from debug libraries carried as build/prof_NAME.so.gz (or build/libprof.so.gz)
+  local g name
+  for g in build/prof_*.so.gz build/prof_*.so.xz build/libprof.so.gz; do
+    [ -e "$g" ] || continue
+    name=$(basename "$g"); name=${name%.so.*}
+    say "profile_phases ($name)"
+    unpack "$g" /tmp/libprof.so || continue
+    (cd /tmp && timeout 120 $PY "$ROOT/scripts/profile_phases.py" /tmp/libprof.so ${PP_CASES:+--cases "$PP_CASES"}) 2>&1 | tee "$OUT/profile_$name.log" | tail -${PP_TAIL:-30}
+  done
+}
+
+unpack() {  # $1 (.gz or .xz) -> $2, with Python's gzip / lzma (no xz tool needed)
+  $PY -c "import gzip, lzma, shutil, sys; o = (lzma.open if sys.argv[1].endswith('.xz') else gzip.open)(sys.argv[1]); shutil.copyfileobj(o, open(sys.argv[2], 'wb'))" "$1" "$2"
+}
+
+topkab() {  # A/B of topk variants on one machine, interleaved: the quick table (B=64, N 64K-256K) for each
+  # variant of $AB_VARIANTS ("name:VAR=v,VAR=v ..."; default "pf4:GVR_TOPK_PF=4 pf0:GVR_TOPK_PF=0") and for
+  # each library carried as build/ab_NAME.so.gz or .so.xz in place of the installed one (same C ABI; restored after),
+  # the whole list $AB_REPEAT times (default 2) -> $OUT/ab_*.json, ab.log, ab_compare.log
+  say "topk A/B"
+  local installed; installed=$(cd /tmp && $PY -c "import importlib.util, os; s = importlib.util.find_spec('gvr'); print(os.path.join(s.submodule_search_locations[0], '_lib', 'libgvr_cuda.so'))")
+  cp "$installed" /tmp/lib_main.so
+  local q="$ROOT/scripts/quick_gpu_bench.py --n ${AB_N:-65536 131072 262144} --batch ${AB_B:-64} --overlap 0.45"
+  local i v name envs
+  for i in $(seq 1 ${AB_REPEAT:-2}); do
+    for v in ${AB_VARIANTS:-pf4:GVR_TOPK_PF=4 pf0:GVR_TOPK_PF=0}; do
+      name=${v%%:*}; envs=${v#*:}
+      (cd /tmp && env ${envs//,/ } timeout 120 $PY $q --json "$OUT/ab_${name}_$i.json") >> "$OUT/ab.log" 2>&1
+      echo "$name ($envs): exit $?"
+    done
+    for g in build/ab_*.so.gz build/ab_*.so.xz; do
+      [ -e "$g" ] || continue
+      name=$(basename "$g"); name=${name%.so.*}
+      unpack "$g" "$installed" && (cd /tmp && timeout 120 $PY $q --json "$OUT/${name}_$i.json") >> "$OUT/ab.log" 2>&1
+      echo "$name: exit $?"; cp /tmp/lib_main.so "$installed"
+    done
+  done
+  # one line per run: the gvr column (µs) per (N, B), in the order the runs ran
+  $PY - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/ab_compare.log"
+import glob, json, os, sys
+runs = sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.json")), key=os.path.getmtime)
+for path in runs:
+    rows = json.load(open(path))["rows"]
+    cells = " ".join(f"{r['n'] // 1024}K/B{r['b']}: {r['gvr']:.2f}" for r in sorted(rows, key=lambda r: (r["b"], r["n"])))
+    print(f"{os.path.basename(path)[:-5]:24s} {cells}")
+PYEOF
 }
 
 hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev_topk over overlaps 2-95%
@@ -250,6 +294,9 @@ for mode in "${@:-check}"; do
     hintsweep) hintsweep ;;
     topkquick) topkquick ;;
     profile) profile ;;
+    topkab) topkab ;;
+    topktests) topktests ;;
+    topksan) sanitize topk ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac

@@ -15,7 +15,8 @@ Tags (the
 kernels' PROF calls): 0 start, 1 loaded, 3 guess done (cluster wait), 25 verify pass done (streamed),
 per round 20 histogram, 21 exchange, 22 pick, 24 per-rank counts and bin edges, 23 round end; 30 output
 scan (per chunk when streamed), 31 candidates arrived, 32 ranked; 90 candidates left and 91 chosen
-bin are values, not cycles."""
+bin are values, not cycles. A second line per case: every CTA's start and end on the global
+timer (launch skew, the spread of the ends)."""
 import argparse
 import ctypes
 import os
@@ -24,11 +25,13 @@ import sys
 
 import numpy as np
 
+SPANS = 1024  # kernels/common/profile.cuh PROF_SPANS
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("lib")
-    ap.add_argument("--cases", default="131072 64,32768 64,262144 64,131072 1")
+    ap.add_argument("--cases", default="32768 64,65536 64,131072 64,262144 64,32768 1,131072 1")
     ap.add_argument("--k", type=int, default=2048)
     a = ap.parse_args()
     import importlib.util
@@ -63,12 +66,26 @@ def run(a):
                 for _ in range(3):
                     gvr.topk_decode(x, k, **kw)
                 torch.cuda.synchronize()
-                buf = (ctypes.c_longlong * 64)()
+                buf = (ctypes.c_longlong * (64 + 2 * SPANS))()
                 lib.gvr_debug_clocks(buf)
                 n = buf[63]
                 t0 = buf[0] // 100
                 st = " ".join(f"{buf[i] % 100}:{buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)}" for i in range(n))
                 print(f"N={N} B={B} ov={ov} {label:10s} tag:cycles {st}", flush=True)
+                print("    " + spans(buf), flush=True)
+
+
+def spans(buf):
+    """every CTA's start and end on the global timer (the library's PROF_SPAN stamps), as ns from the
+    first start: starts and ends at the 0/50/100th percentiles, and CTA 0's"""
+    g = min(int(buf[62]), SPANS)
+    if g <= 0:
+        return "spans: none (a library without PROF_SPAN)"
+    sp = np.array(buf[64:64 + 2 * g], dtype=np.int64).reshape(g, 2)
+    sp -= sp[:, 0].min()
+    pc = lambda v: "/".join(str(int(x)) for x in np.percentile(v, [0, 50, 100]))  # noqa: E731
+    return (f"spans over {g} CTAs (ns from the first start): start {pc(sp[:, 0])}, end {pc(sp[:, 1])}, "
+            f"CTA 0 {sp[0, 0]}-{sp[0, 1]}, per-CTA duration {pc(sp[:, 1] - sp[:, 0])}")
 
 
 if __name__ == "__main__":

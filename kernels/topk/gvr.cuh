@@ -232,6 +232,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                         int *__restrict__ out, long long out_stride, OutMap om, int C, int nch, int seg_cap)
 {
     pdl_enter();
+    PROF_SPAN(0);
     __shared__ GvrShared<STREAM> s;
     using Cnt = BinCounts<STREAM>;
     constexpr int HW = Cnt::W;
@@ -283,13 +284,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         p0 = kp > 0 ? __ldg(pr) : -1;
     }
-    /* the row (STREAM false: loaded once, held in registers); streamed: the first chunk's loads,
-     * in flight during the guess */
+    /* the row (STREAM false: loaded once, held in registers); streamed: after the sample's loads
+     * (below) */
     RowTile<VEC> tile;
     if constexpr (!STREAM)
         tile.load_raw(xr, L, rank);
-    else if (my_nch > 0)
-        tile.load_raw_at(xr, L, seg);
     /* the strided sample (always: it also judges the prediction), independent of the gathers */
     constexpr int SPT = (SAMPLE + THREADS - 1) / THREADS;
     const int sm = L < SAMPLE ? L : SAMPLE;
@@ -307,6 +306,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? Elem<T>::ld(xr + pidx[i]) : __int_as_float(0x7FC00000);
         pivot = Elem<T>::ld(xr + ((p0 >= 0 && p0 < L) ? p0 : 0));
     }
+    /* streamed: the first chunk's loads, in flight during the guess */
+    if constexpr (STREAM)
+        if (my_nch > 0)
+            tile.load_raw_at(xr, L, seg);
     if constexpr (!STREAM && !RAW_FIRST)
         tile.convert(); /* while the gathers are in flight */
     if (t < HW)
@@ -485,27 +488,36 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (verify) { /* uniform over the cluster; verify implies STREAM (register-held rows keep the band
                    * rounds: measured, a verify pass there costs one more cluster exchange than it saves) */
         uint32_t kmax = 0u;
-        const unsigned lt = (1u << lane) - 1u;
+        /* Per chunk: this thread's elements at or above tc as a bit mask (NaN, and the NaN fill
+         * outside the row, fail the compare), a warp scan of the counts, then each thread writes
+         * its few pairs at consecutive slots (lane order, then element order: deterministic). About
+         * 3 instructions per element: with a ballot and a branch per element the pass was issue
+         * bound near the copy bandwidth (its speed moved with code generation, +-10%, measured). */
         chunks(std::true_type{}, [&](const RowTile<VEC> &tl) {
+            unsigned cm = 0u;
 #pragma unroll
-            for (int j = 0; j < VEC; j++)
+            for (int q = 0; q < 4 * VEC; q++)
+                cm |= (__uint_as_float(tl.key[q]) >= tc ? 1u : 0u) << q;
+            const int n = __popc(cm);
+            int incl = n; /* inclusive scan over the warp's lanes */
 #pragma unroll
-                for (int l = 0; l < 4; l++) {
-                    /* raw floats: NaN (and the NaN loaded outside the row) fails the compare */
-                    const float v = __uint_as_float(tl.key[4 * j + l]);
-                    const bool c = v >= tc;
-                    const unsigned m = __ballot_sync(0xFFFFFFFFu, c);
-                    if (m) { /* warp-uniform */
-                        if (c) {
-                            const uint32_t key = stored_key(v);
-                            const int pos = wcount + __popc(m & lt);
-                            if (pos < seg_cap)
-                                wseg[pos] = make_uint2(key, (uint32_t)tl.index(j, l));
-                            kmax = key > kmax ? key : kmax;
-                        }
-                        wcount += __popc(m);
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+                incl += lane >= o ? y : 0;
+            }
+            if (cm) {
+                int pos = wcount + incl - n;
+#pragma unroll
+                for (int q = 0; q < 4 * VEC; q++)
+                    if ((cm >> q) & 1u) {
+                        const uint32_t key = stored_key(__uint_as_float(tl.key[q]));
+                        if (pos < seg_cap)
+                            wseg[pos] = make_uint2(key, (uint32_t)tl.index(q >> 2, q & 3));
+                        kmax = key > kmax ? key : kmax;
+                        pos++;
                     }
-                }
+            }
+            wcount += __shfl_sync(0xFFFFFFFFu, incl, 31);
         });
         PROF(25);
         kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
@@ -828,6 +840,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             ro.put(above_total + better, (int)me.y);
         PROF(32);
     }
+    PROF_SPAN(1);
 }
 
 
