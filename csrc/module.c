@@ -8,6 +8,7 @@
 #define NPY_TARGET_VERSION NPY_1_23_API_VERSION
 #include <numpy/arrayobject.h>
 
+#include "cpu/attention_cpu.h"
 #include "cpu/threads.h"
 #include "cpu/topk_cpu.h"
 #include "cuda_lib.h"
@@ -21,6 +22,13 @@ static PyObject *py_cpu_stats(PyObject *self, PyObject *noargs)
     gvr_topk_cpu_stats s;
     topk_cpu_last_stats(&s);
     return Py_BuildValue("{sisL}", "count_passes", s.count_passes, "candidates", (long long)s.candidates);
+}
+
+static PyObject *py_cpu_isa(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return PyUnicode_FromString(attention_cpu_isa());
 }
 
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg)
@@ -128,6 +136,9 @@ static PyMethodDef methods[] = {
      "Bytes of CUDA workspace prr_ema_calibrate needs for these shapes (device, T, N, k, G)."},
     /* @@prr-ema-methods@@ */
     {"cpu_stats", py_cpu_stats, METH_NOARGS, "Search statistics of the calling thread's last CPU row."},
+    {"cpu_isa", py_cpu_isa, METH_NOARGS,
+     "Instruction set of the CPU attention loops in this process: 'avx2' or 'generic' (GVR_CPU_ISA=generic "
+     "forces the generic loops)."},
     {"set_num_threads", py_set_num_threads, METH_O,
      "Threads for CPU rows: n, or 0 for the default (up to the online CPUs, helpers only for idle ones)."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used for CPU rows (at most; capped by the rows)."},

@@ -4,19 +4,20 @@
  * sparse_attention_cpu: one unit of work per (row b, group of KV heads), computed whole by one
  * thread. A unit walks its selection once (once per KV head when Hsel == Hkv), turning entries into
  * the cache offsets of their tokens, CHUNK tokens at a time, and runs an online softmax for the query
- * heads of its KV heads together:
- *   1. each K row is read once (converted to a float scratch row for F16/BF16) and dotted with every
- *      query head of its GQA group (q pre-scaled, in float): CHUNK scores per head, in L1;
- *   2. per head: chunk max, rescale of the running state when the max grows, exp, running sum;
- *   3. each V row is read once and added, weighted, into every head's fp32 accumulator.
- * A query head's arithmetic is the same whichever unit computes it and with which other heads, so the
- * grouping (as many KV heads per unit as leaves a unit for each thread: a token's rows of those heads
- * are one contiguous span in the NHD layout, read with software prefetching, where one head's rows
- * lie 4 KB apart) changes speed only, and results never depend on the thread count.
- * The inner loops are written so gcc -O3 vectorizes them without reassociation (the dot products
- * keep 16 lane accumulators, summed in a fixed tree; the V update is an axpy along D). On x86-64 the
- * hot loops are compiled twice, for the baseline and for AVX2+FMA (chosen at run time per process),
- * so a process gives the same bits every run and for every thread count.
+ * heads of its KV heads together (attention_cpu_chunk.h):
+ *   1. K rows (converted to float scratch rows for F16/BF16) are dotted with the query heads of their
+ *      GQA group (q pre-scaled, in float) in register tiles of query heads by tokens: CHUNK scores per
+ *      head, in L1;
+ *   2. per head: chunk max, rescale of the running state when the max grows, exp, sum;
+ *   3. V rows are added, weighted, into each head's fp32 chunk sum in register tiles of query heads by
+ *      output elements, over a few tokens at a time.
+ * A query head's arithmetic is the same whichever unit and tile compute it and with which other heads,
+ * so the grouping (as many KV heads per unit as leaves a unit for each thread: a token's rows of those
+ * heads are one contiguous span in the NHD layout, read with software prefetching, where one head's
+ * rows lie 4 KB apart) changes speed only, and results never depend on the thread count.
+ * The hot loops are compiled once per instruction set (generic C in GCC vectors; on x86-64 also AVX2 +
+ * FMA), one picked per process, so a process gives the same bits every run and for every thread
+ * count.
  * With partials the chunks stop at entry boundaries: each entry's own state is computed, written, and
  * folded into the running state.
  *
@@ -135,8 +136,8 @@ typedef struct {
     float *q;             /* [Hu][D] scaled queries */
     float *acc;           /* [Hu][D] running sum of weighted V */
     float *eacc;          /* [Hu][D] the current entry's (partials) */
-    float *krow;          /* [D] */
-    float *vrow;          /* [D] */
+    float *krow;          /* [QT_KROWS][D] K rows converted to float (F16, BF16) */
+    float *vrow;          /* [TV_VROWS][D] V rows converted */
     float *s;             /* [Hu][CHUNK] scores, then weights */
     float *m, *l;         /* [Hu] running max and sum */
     float *em, *el;       /* [Hu] the current entry's */
@@ -172,83 +173,16 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *x, in
 #define PREFETCH_TOKENS 24
 #endif
 
-/* One online-softmax step over nc tokens for nh KV heads that share them (cache offsets koff/voff of
- * the first head's rows; head j adds j * the head stride) and their nh * Gq query heads: running state
- * m, l, acc. Each query head's arithmetic is the same whatever nh is (a head's bits never depend on
- * the heads it is computed with). Compiled once per instruction set: DOT, AXPY, ROW (a cache row as
- * floats: a pointer to it or to the scratch row it was converted into). K rows, then V rows, are
- * prefetched PREFETCH_TOKENS ahead (the V rows of the chunk's start during its last K rows). */
-#define ATTN_CHUNK_BODY                                                                              \
-    {                                                                                                \
-        const gvr_attention_params *p = c->p;                                                        \
-        const int D = p->D, Gq = c->Gq, Hu = nh * Gq;                                                \
-        const int64_t ksh = p->k_stride_head, vsh = p->v_stride_head;                                \
-        const size_t es = elem_size(p->dtype), rb = (size_t)D * es;                                  \
-        float *restrict S = u->s;                                                                    \
-        for (int t = 0; t < PREFETCH_TOKENS && t < nc; t++)                                          \
-            for (int j = 0; j < nh; j++)                                                             \
-                prefetch_row(p->k, koff[t] + j * ksh, es, rb);                                       \
-        for (int t = 0; t < nc; t++) {                                                               \
-            const int ahead = t + PREFETCH_TOKENS;                                                   \
-            for (int j = 0; j < nh; j++) {                                                           \
-                if (ahead < nc)                                                                      \
-                    prefetch_row(p->k, koff[ahead] + j * ksh, es, rb);                               \
-                else if (ahead - nc < nc)                                                            \
-                    prefetch_row(p->v, voff[ahead - nc] + j * vsh, es, rb);                          \
-                const float *kr = ROW(p->dtype, p->k, koff[t] + j * ksh, u->krow, D);                \
-                for (int g = 0; g < Gq; g++)                                                         \
-                    S[(j * Gq + g) * CHUNK + t] = DOT(u->q + (size_t)(j * Gq + g) * D, kr, D);       \
-            }                                                                                        \
-        }                                                                                            \
-        for (int g = 0; g < Hu; g++) {                                                               \
-            float *restrict sg = S + g * CHUNK;                                                      \
-            float cm = -INFINITY;                                                                    \
-            for (int t = 0; t < nc; t++)                                                             \
-                cm = sg[t] > cm ? sg[t] : cm;                                                        \
-            const float mo = m[g], mn = cm > mo ? cm : mo;                                           \
-            float sum = 0.0f;                                                                        \
-            for (int t = 0; t < nc; t++) {                                                           \
-                sg[t] = expf(sg[t] - mn);                                                            \
-                sum += sg[t];                                                                        \
-            }                                                                                        \
-            const float alpha = mo == -INFINITY ? 0.0f : mn == mo ? 1.0f : expf(mo - mn);            \
-            u->alpha[g] = alpha;                                                                     \
-            l[g] = l[g] * alpha + sum;                                                               \
-            m[g] = mn;                                                                               \
-        }                                                                                            \
-        float *restrict cacc = u->cacc;                                                              \
-        memset(cacc, 0, (size_t)Hu * D * sizeof(float));                                             \
-        for (int t = 0; t < nc; t++) {                                                               \
-            for (int j = 0; j < nh; j++) {                                                           \
-                if (t + PREFETCH_TOKENS < nc)                                                        \
-                    prefetch_row(p->v, voff[t + PREFETCH_TOKENS] + j * vsh, es, rb);                 \
-                const float *vr = ROW(p->dtype, p->v, voff[t] + j * vsh, u->vrow, D);                \
-                for (int g = 0; g < Gq; g++)                                                         \
-                    AXPY(cacc + (size_t)(j * Gq + g) * D, S[(j * Gq + g) * CHUNK + t], vr, D);       \
-            }                                                                                        \
-        }                                                                                            \
-        for (int g = 0; g < Hu; g++)                                                                 \
-            SCALE_ADD(acc + (size_t)g * D, u->alpha[g], cacc + (size_t)g * D, D);                    \
-    }
+/* The hot loops (attention_cpu_chunk.h), compiled once per instruction set; attn_chunk runs the one
+ * attn_isa picked for the process. Tiles: 2 query heads by 4 tokens for the scores (8 accumulators of
+ * a vector), 4 query heads by 2 vectors of outputs for the weighted V. */
 
-/* a cache row as floats: in place (F32) or converted into buf */
-static inline __attribute__((always_inline)) const float *row_base(int32_t dtype, const void *x, int64_t off,
-                                                                   float *buf, int D)
-{
-    if (dtype == GVR_ELEM_F32)
-        return (const float *)x + off;
-    const uint16_t *h = (const uint16_t *)x + off;
-    if (dtype == GVR_ELEM_F16)
-        for (int d = 0; d < D; d++)
-            buf[d] = gvr_f16_to_f32(h[d]);
-    else
-        for (int d = 0; d < D; d++)
-            buf[d] = gvr_bf16_to_f32(h[d]);
-    return buf;
-}
+#define QT_KROWS 4 /* the most K rows a variant converts at a time (its QT) */
+#define TV_VROWS 8 /* the most V rows (TV of attention_cpu_chunk.h) */
 
-/* 4 floats as a GCC vector (SSE on x86-64, NEON on aarch64); loads and stores by memcpy (unaligned). */
+/* generic C: 4-lane GCC vectors (SSE on x86-64, NEON on aarch64), a multiply and an add */
 typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
 
 static inline __attribute__((always_inline)) v4f ld4(const float *x)
 {
@@ -259,140 +193,138 @@ static inline __attribute__((always_inline)) v4f ld4(const float *x)
 
 static inline __attribute__((always_inline)) void st4(float *x, v4f v) { memcpy(x, &v, sizeof v); }
 
-/* a . b over D: 16 lanes, summed in a fixed tree, then the tail */
-static inline __attribute__((always_inline)) float dot_base(const float *a, const float *b, int D)
+static inline __attribute__((always_inline)) void row_f16_generic(const uint16_t *h, float *restrict f, int D)
 {
-    v4f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-    int d = 0;
-    for (; d + 16 <= D; d += 16) {
-        s0 += ld4(a + d) * ld4(b + d);
-        s1 += ld4(a + d + 4) * ld4(b + d + 4);
-        s2 += ld4(a + d + 8) * ld4(b + d + 8);
-        s3 += ld4(a + d + 12) * ld4(b + d + 12);
-    }
-    float tail = 0.0f;
-    for (; d < D; d++)
-        tail += a[d] * b[d];
-    const v4f s = (s0 + s2) + (s1 + s3);
-    return ((s[0] + s[2]) + (s[1] + s[3])) + tail;
+    for (int d = 0; d < D; d++)
+        f[d] = gvr_f16_to_f32(h[d]);
 }
 
-/* y += w * x over D */
-static inline __attribute__((always_inline)) void axpy_base(float *y, float w, const float *x, int D)
-{
-    const v4f wv = {w, w, w, w};
-    int d = 0;
-    for (; d + 4 <= D; d += 4)
-        st4(y + d, ld4(y + d) + wv * ld4(x + d));
-    for (; d < D; d++)
-        y[d] += w * x[d];
-}
-
-/* y = y * a + x over D (a == 0: y is all 0, so y = x exactly) */
-static inline __attribute__((always_inline)) void scale_add_base(float *y, float a, const float *x, int D)
-{
-    const v4f av = {a, a, a, a};
-    int d = 0;
-    for (; d + 4 <= D; d += 4)
-        st4(y + d, ld4(y + d) * av + ld4(x + d));
-    for (; d < D; d++)
-        y[d] = y[d] * a + x[d];
-}
-
-#define DOT dot_base
-#define AXPY axpy_base
-#define SCALE_ADD scale_add_base
-#define ROW row_base
-static void attn_chunk_base(const attn_ctx *c, const unit_scratch *u, int nh, int nc, const int64_t *koff,
-                            const int64_t *voff, float *m, float *l, float *acc) ATTN_CHUNK_BODY
-#undef DOT
-#undef AXPY
-#undef SCALE_ADD
-#undef ROW
+#define SFX(name) name##_generic
+#define TARGET
+#define VF v4f
+#define VI v4i
+#define VL 4
+#define VLD ld4
+#define VST st4
+#define VSET1(x) ((v4f){(x), (x), (x), (x)})
+#define VFMA(a, b, c) ((a) * (b) + (c))
+#define SFMA(a, b, c) ((a) * (b) + (c))
+#define ROW_F16 row_f16_generic
+#define QG 2
+#define QT 4
+#include "attention_cpu_chunk.h"
+#undef SFX
+#undef TARGET
+#undef VF
+#undef VI
+#undef VL
+#undef VLD
+#undef VST
+#undef VSET1
+#undef VFMA
+#undef SFMA
+#undef ROW_F16
+#undef QG
+#undef QT
 
 #ifdef GVR_ATTN_X86
-/* The same with AVX2 registers and fused multiply-adds. */
-__attribute__((target("avx2,fma,f16c"))) static inline float dot_avx2(const float *a, const float *b, int D)
-{
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int d = 0;
-    for (; d + 16 <= D; d += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
-    }
-    float tail = 0.0f;
-    for (; d < D; d++)
-        tail = __builtin_fmaf(a[d], b[d], tail);
-    const __m256 s8 = _mm256_add_ps(s0, s1);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    float l4[4];
-    _mm_storeu_ps(l4, s4);
-    return ((l4[0] + l4[2]) + (l4[1] + l4[3])) + tail;
-}
+/* AVX2: 8-lane vectors, fused multiply-adds, F16C half rows (exact, like gvr_f16_to_f32) */
+#define GVR_AVX2 __attribute__((target("avx2,fma,f16c")))
+typedef int32_t v8i __attribute__((vector_size(32)));
 
-__attribute__((target("avx2,fma,f16c"))) static inline void axpy_avx2(float *y, float w, const float *x, int D)
+GVR_AVX2 static inline __attribute__((always_inline)) void row_f16_avx2(const uint16_t *h, float *restrict f, int D)
 {
-    const __m256 wv = _mm256_set1_ps(w);
     int d = 0;
     for (; d + 8 <= D; d += 8)
-        _mm256_storeu_ps(y + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+        _mm256_storeu_ps(f + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
     for (; d < D; d++)
-        y[d] = __builtin_fmaf(w, x[d], y[d]);
+        f[d] = gvr_f16_to_f32(h[d]);
 }
 
-/* F16 rows by F16C (exact, like gvr_f16_to_f32) */
-__attribute__((target("avx2,fma,f16c"))) static inline const float *row_avx2(int32_t dtype, const void *x, int64_t off,
-                                                                             float *buf, int D)
+/* sum16 (attention_cpu_chunk.h) of four 16-lane sums at once, the same tree: lanes i + 8 (two ymm),
+ * i + 4 (the 128-bit halves), i + 2, i + 1 (shuffles within 128-bit lanes) */
+GVR_AVX2 static inline __attribute__((always_inline)) void sum16x4_avx2(const __m256 *a0, const __m256 *a1,
+                                                                        const __m256 *a2, const __m256 *a3, float *r)
 {
-    if (dtype == GVR_ELEM_F16) {
-        const uint16_t *h = (const uint16_t *)x + off;
-        int d = 0;
-        for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
-        for (; d < D; d++)
-            buf[d] = gvr_f16_to_f32(h[d]);
-        return buf;
-    }
-    return row_base(dtype, x, off, buf, D);
+    const __m256 m0 = _mm256_add_ps(a0[0], a0[1]), m1 = _mm256_add_ps(a1[0], a1[1]);
+    const __m256 m2 = _mm256_add_ps(a2[0], a2[1]), m3 = _mm256_add_ps(a3[0], a3[1]);
+    const __m256 n01 = _mm256_add_ps(_mm256_permute2f128_ps(m0, m1, 0x20), _mm256_permute2f128_ps(m0, m1, 0x31));
+    const __m256 n23 = _mm256_add_ps(_mm256_permute2f128_ps(m2, m3, 0x20), _mm256_permute2f128_ps(m2, m3, 0x31));
+    /* lanes i + 2: [x0 + x2, x1 + x3] of sums 0, 2 | of sums 1, 3 */
+    const __m256 o = _mm256_add_ps(_mm256_shuffle_ps(n01, n23, 0x44), _mm256_shuffle_ps(n01, n23, 0xEE));
+    /* lanes i + 1: [s0, s2, ., . | s1, s3, ., .] */
+    const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(o, o, 0x88), _mm256_shuffle_ps(o, o, 0xDD));
+    _mm_storeu_ps(r, _mm_unpacklo_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1)));
 }
 
-#define DOT dot_avx2
-#define AXPY axpy_avx2
-#define SCALE_ADD scale_add_base
-#define ROW row_avx2
-__attribute__((target("avx2,fma,f16c"))) static void attn_chunk_avx2(const attn_ctx *c, const unit_scratch *u, int nh, int nc,
-                                                                const int64_t *koff, const int64_t *voff, float *m,
-                                                                float *l, float *acc) ATTN_CHUNK_BODY
-#undef DOT
-#undef AXPY
-#undef SCALE_ADD
-#undef ROW
+#define SFX(name) name##_avx2
+#define TARGET GVR_AVX2
+#define VF __m256
+#define VI v8i
+#define VL 8
+#define VLD _mm256_loadu_ps
+#define VST _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VFMA _mm256_fmadd_ps
+#define SFMA __builtin_fmaf
+#define ROW_F16 row_f16_avx2
+#define QG 2
+#define QT 4
+#define SUM16X4 sum16x4_avx2
+#include "attention_cpu_chunk.h"
+#undef SFX
+#undef TARGET
+#undef VF
+#undef VI
+#undef VL
+#undef VLD
+#undef VST
+#undef VSET1
+#undef VFMA
+#undef SFMA
+#undef ROW_F16
+#undef QG
+#undef QT
+#undef SUM16X4
+#endif
 
-/* AVX2, FMA and F16C (F16C read by cpuid: not every compiler's __builtin_cpu_supports knows it) */
-static int use_avx2(void)
+enum { ISA_GENERIC, ISA_AVX2 };
+
+/* The variant of this process, chosen once: the best the CPU runs (AVX2 needs AVX2, FMA and F16C; F16C
+ * read by cpuid: not every compiler's __builtin_cpu_supports knows it), or the generic loops when the
+ * environment has GVR_CPU_ISA=generic (to test them on any machine). */
+static int attn_isa(void)
 {
     static atomic_int cached = -1; /* every thread computes the same value */
     int v = atomic_load_explicit(&cached, memory_order_relaxed);
     if (v < 0) {
+        v = ISA_GENERIC;
+#ifdef GVR_ATTN_X86
         unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
         const int f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29));
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c)
+            v = ISA_AVX2;
+#endif
+        const char *force = getenv("GVR_CPU_ISA");
+        if (force && strcmp(force, "generic") == 0)
+            v = ISA_GENERIC;
         atomic_store_explicit(&cached, v, memory_order_relaxed);
     }
     return v;
 }
-#endif
+
+const char *attention_cpu_isa(void) { return attn_isa() == ISA_AVX2 ? "avx2" : "generic"; }
 
 static void attn_chunk(const attn_ctx *c, const unit_scratch *u, int nh, int nc, const int64_t *koff, const int64_t *voff,
                        float *m, float *l, float *acc)
 {
 #ifdef GVR_ATTN_X86
-    if (use_avx2()) {
+    if (attn_isa() == ISA_AVX2) {
         attn_chunk_avx2(c, u, nh, nc, koff, voff, m, l, acc);
         return;
     }
 #endif
-    attn_chunk_base(c, u, nh, nc, koff, voff, m, l, acc);
+    attn_chunk_generic(c, u, nh, nc, koff, voff, m, l, acc);
 }
 
 /* ---- sparse attention --------------------------------------------------------------------------- */
@@ -579,10 +511,12 @@ static int attn_unit(void *vctx, int64_t unit)
     const int shared = p->Hsel == 1; /* the heads walk one selection together */
     const int Hu = (shared ? nh : 1) * c->Gq;
 
-    const size_t hd = round_up64((size_t)Hu * D * sizeof(float)), row = round_up64((size_t)D * sizeof(float));
+    const size_t hd = round_up64((size_t)Hu * D * sizeof(float));
+    const size_t krows = round_up64((size_t)QT_KROWS * D * sizeof(float));
+    const size_t vrows = round_up64((size_t)TV_VROWS * D * sizeof(float));
     const size_t sc = round_up64((size_t)Hu * CHUNK * sizeof(float)), hv = round_up64((size_t)Hu * sizeof(float));
     const size_t offs = round_up64(CHUNK * sizeof(int64_t));
-    const size_t bytes = 4 * hd + 2 * row + sc + 5 * hv + 2 * offs + 64;
+    const size_t bytes = 4 * hd + krows + vrows + sc + 5 * hv + 2 * offs + 64;
     char *mem = (char *)malloc(bytes);
     if (!mem)
         return -1;
@@ -593,8 +527,8 @@ static int attn_unit(void *vctx, int64_t unit)
     u.eacc = (float *)at, at += hd;
     u.cacc = (float *)at, at += hd;
     u.alpha = (float *)at, at += hv;
-    u.krow = (float *)at, at += row;
-    u.vrow = (float *)at, at += row;
+    u.krow = (float *)at, at += krows;
+    u.vrow = (float *)at, at += vrows;
     u.s = (float *)at, at += sc;
     u.m = (float *)at, at += hv;
     u.l = (float *)at, at += hv;
@@ -617,6 +551,7 @@ int sparse_attention_cpu(const gvr_attention_params *p)
 {
     if (p->B <= 0 || p->Hq <= 0 || p->Hkv <= 0 || p->D <= 0)
         return 0;
+    (void)attn_isa(); /* read GVR_CPU_ISA on the calling thread, before any worker runs */
     attn_ctx c;
     c.p = p;
     c.Gq = p->Hq / p->Hkv;

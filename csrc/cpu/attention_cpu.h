@@ -18,4 +18,8 @@ int merge_states_cpu(const gvr_merge_params *p);
 int prr_missed_cpu(const gvr_missed_params *p);
 int prr_finalize_cpu(const gvr_finalize_params *p);
 
+/* The instruction set of sparse_attention_cpu's loops in this process: "avx2" or "generic" (the best
+ * the CPU runs; GVR_CPU_ISA=generic in the environment forces the generic C loops). */
+const char *attention_cpu_isa(void);
+
 #endif
