@@ -22,6 +22,7 @@
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
 #   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases
+#   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
@@ -99,6 +100,12 @@ sanitize() {  # $1: sanitize_case.py --only value; extra environment from the ca
 gputests() {  # every GPU test (check's first part), failures listed
   say "GPU tests (all)"
   (cd tests && timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 .) 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+}
+
+attncpu() {  # the attention benchmark's CPU section on this machine's host CPU (C path vs NumPy, one core)
+  say "bench_attention --cpu-only (host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2))"
+  (cd /tmp && OPENBLAS_NUM_THREADS=1 timeout 300 $PY "$ROOT/benchmarks/bench_attention.py" --cpu-only --json "$OUT/results_attention_cpu_host.json") > "$OUT/bench_attention_cpu.log" 2>&1
+  echo "exit $? (cpu_isa $(cd /tmp && $PY -c 'import gvr._C as c; print(c.cpu_isa())'))"; tail -12 "$OUT/bench_attention_cpu.log"
 }
 
 attntests() {  # the attention GPU tests, all failures listed
@@ -295,6 +302,7 @@ for mode in "${@:-check}"; do
     topkquick) topkquick ;;
     profile) profile ;;
     topkab) topkab ;;
+    attncpu) attncpu ;;
     topktests) topktests ;;
     topksan) sanitize topk ;;
     build) ;;
