@@ -7,9 +7,8 @@ library built with -DGVR_PROFILE (kernels/common/profile.cuh). Debugging aid, no
 PROFILE_LIB replaces the installed gvr's libgvr_cuda.so for the run (restored afterwards). Build it
 from a copy of the tree, where nvcc is (the GPU machine's build time is scarce), and carry it there:
 
-    cp -r . /tmp/prof && (cd /tmp/prof && GVR_PROFILE=1 GVR_CUDA_ARCHS=90a python setup.py build_ext --inplace)
-    gzip -c /tmp/prof/gvr/_lib/libgvr_cuda.so > build/libprof.so.gz
-    # device: carry build/libprof.so.gz; PP_CASES="131072 64" bash scripts/gpu_check.sh profile
+    bash scripts/variant_lib.sh NAME --profile --from DIR   # DIR: a tree with a finished CUDA build
+    # device: carry build/prof_NAME.so.xz; PP_CASES="131072 64" bash scripts/gpu_check.sh profile
 
 Tags (the
 kernels' PROF calls): 0 start, 1 loaded, 3 guess done (cluster wait), 25 verify pass done (streamed),
