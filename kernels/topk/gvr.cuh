@@ -795,6 +795,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                         pc += __popc(mc);
                     }
             }
+            PROF(33);
             pos_above += tot & 0xFFFF;
             pos_cand += tot >> 16;
             if constexpr (STREAM)
