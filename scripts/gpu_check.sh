@@ -22,6 +22,7 @@
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
 #   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases
+#   calib    the EMA calibration on CUDA: its GPU tests and its time (T 4096 x Nb 2048, k 64)
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
@@ -100,6 +101,20 @@ sanitize() {  # $1: sanitize_case.py --only value; extra environment from the ca
 gputests() {  # every GPU test (check's first part), failures listed
   say "GPU tests (all)"
   (cd tests && timeout 480 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 .) 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+}
+
+calib() {  # the EMA calibration on CUDA: its GPU tests, then its time at T 4096 x Nb 2048, k 64 (bench_prr's)
+  say "calibration (GPU tests, time)"
+  (cd tests && timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu -rs test_prr_ema_gpu.py) 2>&1 | tee "$OUT/pytest_calib.log" | tail -3
+  local installed g; installed=$(cd /tmp && $PY -c "import importlib.util, os; s = importlib.util.find_spec('gvr'); print(os.path.join(s.submodule_search_locations[0], '_lib', 'libgvr_cuda.so'))")
+  cp "$installed" /tmp/lib_main.so
+  for g in main build/ab_*.so.xz main; do  # this build, then each carried library, then this build again
+    [ "$g" = main ] || [ -e "$g" ] || continue
+    [ "$g" = main ] && cp /tmp/lib_main.so "$installed" || unpack "$g" "$installed"
+    (cd /tmp && timeout 120 $PY -c "import sys; sys.path.insert(0, '$ROOT/benchmarks'); import bench_prr, gvr, torch
+ms, g, c = bench_prr.cuda_calibration(gvr, torch); print(f'$(basename $g): calibration on CUDA {ms:.2f} ms (median of 5, host wall), choice {g}, equal to the CPU: {g == c}')") 2>&1 | tail -2
+  done
+  cp /tmp/lib_main.so "$installed"
 }
 
 attncpu() {  # the attention benchmark's CPU section on this machine's host CPU (C path vs NumPy, one core)
@@ -303,6 +318,7 @@ for mode in "${@:-check}"; do
     profile) profile ;;
     topkab) topkab ;;
     attncpu) attncpu ;;
+    calib) calib ;;
     topktests) topktests ;;
     topksan) sanitize topk ;;
     build) ;;
