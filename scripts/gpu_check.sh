@@ -106,7 +106,7 @@ gputests() {  # every GPU test (check's first part), failures listed
 calib() {  # the EMA calibration on CUDA: its GPU tests, then its time at T 4096 x Nb 2048, k 64 (bench_prr's)
   say "calibration (GPU tests, time)"
   (cd tests && timeout 240 $PY -m pytest -q -p no:cacheprovider -m gpu -rs test_prr_ema_gpu.py) 2>&1 | tee "$OUT/pytest_calib.log" | tail -3
-  local installed g; installed=$(cd /tmp && $PY -c "import importlib.util, os; s = importlib.util.find_spec('gvr'); print(os.path.join(s.submodule_search_locations[0], '_lib', 'libgvr_cuda.so'))")
+  local installed g; installed=$(installed_lib)
   cp "$installed" /tmp/lib_main.so
   for g in main build/ab_*.so.xz main; do  # this build, then each carried library, then this build again
     [ "$g" = main ] || [ -e "$g" ] || continue
@@ -237,6 +237,10 @@ profile() {  # per-phase clock stamps from debug libraries carried as build/prof
   done
 }
 
+installed_lib() {  # the installed gvr's libgvr_cuda.so, found without importing gvr (which would load it)
+  (cd /tmp && $PY -c "import importlib.util, os; s = importlib.util.find_spec('gvr'); print(os.path.join(s.submodule_search_locations[0], '_lib', 'libgvr_cuda.so'))")
+}
+
 unpack() {  # $1 (.gz or .xz) -> $2, with Python's gzip / lzma (no xz tool needed)
   $PY -c "import gzip, lzma, shutil, sys; o = (lzma.open if sys.argv[1].endswith('.xz') else gzip.open)(sys.argv[1]); shutil.copyfileobj(o, open(sys.argv[2], 'wb'))" "$1" "$2"
 }
@@ -246,7 +250,7 @@ topkab() {  # A/B of topk variants on one machine, interleaved: the quick table 
   # each library carried as build/ab_NAME.so.gz or .so.xz in place of the installed one (same C ABI; restored after),
   # the whole list $AB_REPEAT times (default 2) -> $OUT/ab_*.json, ab.log, ab_compare.log
   say "topk A/B"
-  local installed; installed=$(cd /tmp && $PY -c "import importlib.util, os; s = importlib.util.find_spec('gvr'); print(os.path.join(s.submodule_search_locations[0], '_lib', 'libgvr_cuda.so'))")
+  local installed; installed=$(installed_lib)
   cp "$installed" /tmp/lib_main.so
   local q="$ROOT/scripts/quick_gpu_bench.py --n ${AB_N:-65536 131072 262144} --batch ${AB_B:-64} --overlap 0.45"
   local i v name envs

@@ -193,12 +193,6 @@ static inline __attribute__((always_inline)) v4f ld4(const float *x)
 
 static inline __attribute__((always_inline)) void st4(float *x, v4f v) { memcpy(x, &v, sizeof v); }
 
-static inline __attribute__((always_inline)) void row_f16_generic(const uint16_t *h, float *restrict f, int D)
-{
-    for (int d = 0; d < D; d++)
-        f[d] = gvr_f16_to_f32(h[d]);
-}
-
 #define SFX(name) name##_generic
 #define TARGET
 #define VF v4f
@@ -209,23 +203,9 @@ static inline __attribute__((always_inline)) void row_f16_generic(const uint16_t
 #define VSET1(x) ((v4f){(x), (x), (x), (x)})
 #define VFMA(a, b, c) ((a) * (b) + (c))
 #define SFMA(a, b, c) ((a) * (b) + (c))
-#define ROW_F16 row_f16_generic
 #define QG 2
 #define QT 4
 #include "attention_cpu_chunk.h"
-#undef SFX
-#undef TARGET
-#undef VF
-#undef VI
-#undef VL
-#undef VLD
-#undef VST
-#undef VSET1
-#undef VFMA
-#undef SFMA
-#undef ROW_F16
-#undef QG
-#undef QT
 
 #ifdef GVR_ATTN_X86
 /* AVX2: 8-lane vectors, fused multiply-adds, F16C half rows (exact, like gvr_f16_to_f32) */
@@ -272,20 +252,6 @@ GVR_AVX2 static inline __attribute__((always_inline)) void sum16x4_avx2(const __
 #define QT 4
 #define SUM16X4 sum16x4_avx2
 #include "attention_cpu_chunk.h"
-#undef SFX
-#undef TARGET
-#undef VF
-#undef VI
-#undef VL
-#undef VLD
-#undef VST
-#undef VSET1
-#undef VFMA
-#undef SFMA
-#undef ROW_F16
-#undef QG
-#undef QT
-#undef SUM16X4
 #endif
 
 enum { ISA_GENERIC, ISA_AVX2 };

@@ -6,9 +6,10 @@
  *   VLD(p), VST(p, v) unaligned load and store;  VSET1(x)  all lanes x;
  *   VFMA(a, b, c)     a * b + c lane-wise, SFMA(a, b, c) the same on floats: fused where the variant
  *                     has FMA, else a multiply and an add (the only arithmetic difference between them);
- *   ROW_F16(h, f, D)  D halves at h -> floats at f (exact);
+ *   ROW_F16(h, f, D)  optional: D halves at h -> floats at f (exact; else gvr_row_to_f32's loop);
  *   QG, QT            query heads and tokens of a dot-product tile (QG * QT * 16 / VL accumulators);
  *   SUM16X4(a0, a1, a2, a3, r)  optional: r[x] = sum16(ax), the four reduced together.
+ * The file undefines them all at its end.
  *
  * The arithmetic, fixed whatever the tile a value is computed in and the heads computed with it:
  *   score q . k    16 lanes, lane i accumulates d = i (mod 16) in order of d; the lanes are summed
@@ -31,12 +32,13 @@ static inline __attribute__((always_inline)) TARGET const float *SFX(row)(int32_
     if (dtype == GVR_ELEM_F32)
         return (const float *)x + off;
     const uint16_t *h = (const uint16_t *)x + off;
+#ifdef ROW_F16
     if (dtype == GVR_ELEM_F16) {
         ROW_F16(h, buf, D);
-    } else {
-        for (int d = 0; d < D; d++)
-            buf[d] = gvr_bf16_to_f32(h[d]);
+        return buf;
     }
+#endif
+    gvr_row_to_f32(dtype, h, buf, D);
     return buf;
 }
 
@@ -328,3 +330,18 @@ static TARGET void SFX(attn_chunk)(const attn_ctx *c, const unit_scratch *u, int
 #undef DL
 #undef TV
 #undef GT
+/* the includer's parameters, so that the next variant defines its own */
+#undef SFX
+#undef TARGET
+#undef VF
+#undef VI
+#undef VL
+#undef VLD
+#undef VST
+#undef VSET1
+#undef VFMA
+#undef SFMA
+#undef ROW_F16
+#undef QG
+#undef QT
+#undef SUM16X4
