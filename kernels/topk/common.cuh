@@ -186,6 +186,7 @@ template <typename T> __device__ __forceinline__ int row_shift(const T *row)
 template <int VEC>
 struct RowTile {
     static constexpr int P = THREADS * 4 * VEC;
+    static constexpr bool ARITH_INDEX = true; /* index(j, l) is arithmetic in j, l */
     uint32_t key[VEC * 4];
     int base; /* element held by this CTA's first position (negative by the row's shift in slice 0) */
     int L;

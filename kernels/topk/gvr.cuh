@@ -115,6 +115,7 @@ __device__ void block_sum(float (&v)[M], S &s)
  * RowTile; each warp reads its own segment (n pairs from `first` on), key 0 past the end */
 template <int VEC>
 struct PairTile {
+    static constexpr bool ARITH_INDEX = false; /* index(j, l) reads idx[] */
     uint32_t key[VEC * 4];
     int idx[VEC * 4];
     __device__ __forceinline__ int index(int j, int l) const { return idx[4 * j + l]; }
@@ -783,8 +784,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             PROF(30);
             if (ma) {
                 int pa = pos_above + (before & 0xFFFF);
-                if constexpr (!STREAM) {
-                    /* a register-held row: the index is arithmetic, a loop over the set bits */
+                if constexpr (std::decay_t<decltype(tl)>::ARITH_INDEX) {
+                    /* row elements (not collected pairs): the index is arithmetic, a loop over the set bits */
                     for (Mask m = ma; m; m &= m - 1u) {
                         const int q = ffs_mask(m) - 1;
                         ro.put(pa++, tl.index(q >> 2, q & 3));
