@@ -80,6 +80,11 @@ def test_device_nblocks_out_of_range_are_clamped():
 @pytest.mark.parametrize("case", [
     ("trace", 64, 300, 16), ("trace", 200, 2048, 64), ("trace", 50, 5000, 100), ("trace", 20, 8192, 8),
     ("integers", 40, 64, 7), ("masked", 40, 100, 9), ("k>N", 10, 6, 9), ("constant", 30, 50, 5),
+    # many chunks: the window select with its adapted bins, pass 2, misses; N % 4 != 0 (scalar phase A)
+    ("trace", 400, 2048, 64), ("trace", 300, 2047, 64), ("trace", 120, 8192, 300),
+    ("integers", 120, 2048, 64),  # ties beyond the window's pass 2: warp_select, the back-off
+    ("specials", 80, 1000, 50),   # +inf (NaN states), -0.0, -inf, NaN: phase A's exact path
+    ("huge", 60, 256, 30),        # overflow to inf in the state
 ])
 def test_calibration_equals_the_cpu(case):
     kind, T, N, k = case
@@ -93,6 +98,12 @@ def test_calibration_equals_the_cpu(case):
         x[rng.random(x.shape) < 0.3] = -np.inf
         x[2, :5] = np.nan
         x[4] = -np.inf
+    elif kind == "specials":
+        x = rng.standard_normal((T, N)).astype(F)
+        for v, frac in ((np.inf, 0.03), (-0.0, 0.05), (0.0, 0.05), (-np.inf, 0.05), (np.nan, 0.02)):
+            x[rng.random(x.shape) < frac] = v
+    elif kind == "huge":
+        x = (rng.standard_normal((T, N)) * 3e38).astype(F)
     else:
         x = rng.standard_normal((T, N)).astype(F)
         x[::3] = 1.5
@@ -101,6 +112,15 @@ def test_calibration_equals_the_cpu(case):
     assert pts_c == pts_g
     assert np.array_equal(hc.view(np.uint64), hg.view(np.uint64)), np.flatnonzero(hc != hg)[:10]
     assert calibrate(torch.from_numpy(x).cuda(), k) == calibrate(x, k)
+
+
+def test_calibration_misaligned_rows():
+    # N % 4 == 0 but the rows not 16-byte aligned: the scalar phase A of the E = 4 kernel
+    x = data.block_score_trace(150, 2048, seed=11)
+    big = torch.zeros(150, 2049, device="cuda")
+    big[:, 1:] = torch.from_numpy(x).cuda()
+    hg = calibration_hit_rates(big[:, 1:], 64)[1]
+    assert np.array_equal(hg.view(np.uint64), calibration_hit_rates(x, 64)[1].view(np.uint64))
 
 
 def test_calibration_strided_rows_and_repeatability():
