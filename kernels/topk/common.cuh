@@ -178,6 +178,23 @@ template <> struct Elem<__nv_bfloat16> { /* bfloat16 bits are float32's upper ha
 };
 
 /* elements between a row's start and the 4-element vector boundary below it (0..3) */
+/* f(ScoreType<T>{}) for the element type T named by gvr_topk_params::score_dtype: the launchers' one
+ * switch over score types */
+template <typename T> struct ScoreType {
+    using type = T;
+};
+template <typename F> inline cudaError_t visit_score_type(int score_dtype, F &&f)
+{
+    switch (score_dtype) {
+    case GVR_TOPK_F16:
+        return f(ScoreType<__half>{});
+    case GVR_TOPK_BF16:
+        return f(ScoreType<__nv_bfloat16>{});
+    default:
+        return f(ScoreType<float>{});
+    }
+}
+
 template <typename T> __device__ __forceinline__ int row_shift(const T *row)
 {
     return (int)((reinterpret_cast<uintptr_t>(row) / sizeof(T)) & 3u);

@@ -943,14 +943,9 @@ cudaError_t gvr_launch_t(const gvr_topk_params *p, int dev, int C, int nch, cuda
 template <bool CLUSTER, int VEC, bool STREAM>
 cudaError_t GvrInstance<CLUSTER, VEC, STREAM>::launch(const gvr_topk_params *p, int dev, int C, int nch, cudaStream_t stream)
 {
-    switch (p->score_dtype) {
-    case GVR_TOPK_F16:
-        return gvr_launch_t<__half, CLUSTER, VEC, STREAM>(p, dev, C, nch, stream);
-    case GVR_TOPK_BF16:
-        return gvr_launch_t<__nv_bfloat16, CLUSTER, VEC, STREAM>(p, dev, C, nch, stream);
-    default:
-        return gvr_launch_t<float, CLUSTER, VEC, STREAM>(p, dev, C, nch, stream);
-    }
+    return visit_score_type(p->score_dtype, [&](auto st) {
+        return gvr_launch_t<typename decltype(st)::type, CLUSTER, VEC, STREAM>(p, dev, C, nch, stream);
+    });
 }
 
 #ifdef GVR_PROFILE

@@ -353,14 +353,8 @@ cudaError_t radix_launch_t(const gvr_topk_params *p, int dev, cudaStream_t strea
 template <int C, int VEC>
 cudaError_t RadixInstance<C, VEC>::launch(const gvr_topk_params *p, int dev, cudaStream_t stream)
 {
-    switch (p->score_dtype) {
-    case GVR_TOPK_F16:
-        return radix_launch_t<__half, C, VEC>(p, dev, stream);
-    case GVR_TOPK_BF16:
-        return radix_launch_t<__nv_bfloat16, C, VEC>(p, dev, stream);
-    default:
-        return radix_launch_t<float, C, VEC>(p, dev, stream);
-    }
+    return visit_score_type(p->score_dtype,
+                            [&](auto st) { return radix_launch_t<typename decltype(st)::type, C, VEC>(p, dev, stream); });
 }
 
 #ifdef GVR_PROFILE

@@ -19,14 +19,8 @@ static cudaError_t sort_launch_t(const gvr_topk_params *p, cudaStream_t stream)
 template <int ITEMS>
 static cudaError_t sort_launch_items(const gvr_topk_params *p, cudaStream_t stream)
 {
-    switch (p->score_dtype) {
-    case GVR_TOPK_F16:
-        return sort_launch_t<__half, ITEMS>(p, stream);
-    case GVR_TOPK_BF16:
-        return sort_launch_t<__nv_bfloat16, ITEMS>(p, stream);
-    default:
-        return sort_launch_t<float, ITEMS>(p, stream);
-    }
+    return visit_score_type(p->score_dtype,
+                            [&](auto st) { return sort_launch_t<typename decltype(st)::type, ITEMS>(p, stream); });
 }
 
 cudaError_t sort_launch(const gvr_topk_params *p, cudaStream_t stream)
