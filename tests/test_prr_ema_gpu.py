@@ -133,6 +133,45 @@ def test_calibration_strided_rows_and_repeatability():
     assert np.array_equal(a, b) and np.array_equal(a, calibration_hit_rates(x, 32)[1])
 
 
+def _hits_equal(x, k, grid=None):
+    hc = calibration_hit_rates(x if isinstance(x, np.ndarray) else x.cpu().numpy(), k, grid=grid)[1]
+    xg = x if isinstance(x, torch.Tensor) else torch.from_numpy(x).cuda()
+    hg = calibration_hit_rates(xg, k, grid=grid)[1]
+    assert np.array_equal(hc.view(np.uint64), hg.view(np.uint64)), np.flatnonzero(hc != hg)[:10]
+
+
+@pytest.mark.parametrize("T,N,k", [
+    (2, 2048, 64), (3, 2048, 64), (5, 64, 8),  # one or a few steps
+    (11, 2048, 64),                             # one chunk of fewer steps than S
+    (16 * 5 + 6, 1024, 32),                     # a last partial chunk; E = 2
+    (90, 1500, 40),                             # N % 4 != 0 (the scalar loads)
+    (60, 4096, 64),                             # E = 8, fewer steps per chunk (shared memory)
+])
+def test_calibration_shapes(T, N, k):
+    # short trajectories, partial chunks, blocks per thread 1-8
+    _hits_equal(data.block_score_trace(T, N, seed=T + N), k)
+
+
+@pytest.mark.parametrize("grid", [
+    ((0.5,), (0.5,), (0.0,)),                    # G = 1
+    ((0.2, 0.5, 0.8), (0.5,), (1.0,)),           # G = 3
+    ((0.1, 0.3, 0.5, 0.7, 0.9), (0.2, 0.6), (0.0, 0.5, 1.0)),  # G = 30
+    ((0.1, 0.3, 0.5, 0.7, 0.9), (0.2, 0.4, 0.6, 0.8), (0.0, 0.25, 0.5, 0.75, 1.0, 0.9, 0.1)),  # G = 140
+])
+def test_calibration_grid_sizes(grid):
+    # grid sizes below and above the number of SMs (one CTA per grid point, several per CTA past it)
+    _hits_equal(data.block_score_trace(70, 2048, seed=3), 64, grid=grid)
+
+
+def test_calibration_strided_aligned_rows():
+    # a row stride beyond N, 16-byte aligned (the 16-byte loads): only the view's elements are read
+    x = data.block_score_trace(100, 2048, seed=5)
+    big = torch.zeros(100, 2056, device="cuda")
+    big[:, :2048] = torch.from_numpy(x).cuda()
+    big[:, 2048:] = float("nan")  # outside the view: must never be read
+    _hits_equal(big[:, :2048], 64)
+
+
 def test_cuda_graph_capture_of_predict_and_update_replays_the_eager_steps():
     rng = np.random.default_rng(3)
     B, H, N, k = 2, 4, 300, 12
