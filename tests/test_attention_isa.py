@@ -44,6 +44,19 @@ def test_cpu_isa_names_the_variant_and_the_override_forces_generic():
     assert proc.stdout.strip() == "generic"
 
 
+def test_unknown_cpu_isa_value_warns_and_is_ignored():
+    code = ("import warnings; warnings.simplefilter('always'); import gvr, sys; "
+            "sys.stdout.write(gvr._C.cpu_isa())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=child_env(GVR_CPU_ISA="avx512"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "GVR_CPU_ISA='avx512'" in proc.stderr and "RuntimeWarning" in proc.stderr, proc.stderr
+    auto = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=child_env(GVR_CPU_ISA="auto"),
+                          capture_output=True, text=True, timeout=120)
+    assert auto.returncode == 0 and "GVR_CPU_ISA" not in auto.stderr, auto.stderr
+    assert proc.stdout == auto.stdout  # ignored: the best the CPU runs
+
+
 @pytest.mark.parametrize("D", [19, 97])
 @pytest.mark.parametrize("gqa", [3, 5])
 @pytest.mark.parametrize("Hsel", ["1", "Hkv"])
