@@ -30,8 +30,8 @@
  *    (measured: no threshold from it beat the sample's, and where the previous Top-K mostly persists
  *    its statistics put the threshold above the k-th value). The first pass (verify) only compares
  *    each element with tc, the sample's estimate of the 1.15 k-th value, and
- *    collects the (key, index) pairs at or above it into per-warp shared-memory segments at ballot
- *    offsets: no histogram and no shared atomics, so it runs at the speed of the loads. When at
+ *    collects the (key, index) pairs at or above it into per-warp shared-memory segments at offsets
+ *    from a warp scan of per-thread bit masks: no histogram and no shared atomics, so it runs at the speed of the loads. When at
  *    least kk lie at or above tc and no warp overflowed, the rounds and the output read the pairs,
  *    not the row (one pass over the row in all); otherwise they re-read the row.
  *  - Register-held rows stay raw floats while the rounds and the output can compare values (value
@@ -41,8 +41,9 @@
  *    side when the k-th value fell outside the previous band.
  *  - Shift rounds: bins (ck - A) >> s on the composite key, 8 bits per round; they end the search
  *    in at most 8 rounds whatever the data (all-equal rows included).
- *  - Output: per chunk, each warp's elements above Z and candidates take consecutive slots from a
- *    warp sum, a scan of the warp totals and a ballot per element (coalesced and deterministic).
+ *  - Output: per chunk, each thread's elements above Z and candidates (two bit masks) take
+ *    consecutive slots from a warp scan of the counts and a scan of the warp totals (deterministic;
+ *    no warp collective per element).
  * Included by the gvr_*.cu files only. */
 #pragma once
 
