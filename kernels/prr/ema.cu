@@ -42,6 +42,7 @@
 #include "common/gvr_keys.h"
 #include "common/launch.cuh"
 #include "common/runtime.cuh"
+#include "common/warp.cuh"
 #include "gvr_kernels.h"
 
 #define GVR_API extern "C" __attribute__((visibility("default")))
@@ -191,13 +192,7 @@ __device__ __forceinline__ void warp_select(const uint32_t *keys, int n, int k, 
             c[i] = hist[255 - 8 * lane - i];
             sum += c[i];
         }
-        int incl = sum;
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) {
-            const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-            if (lane >= o)
-                incl += v;
-        }
+        const int incl = warp_inclusive_sum(sum);
         const unsigned ge = __ballot_sync(0xFFFFFFFFu, incl >= kk);
         const int owner = __ffs(ge) - 1; /* exists: the candidates are >= kk */
         int digit = 0, rem = kk - (incl - sum), exact = 0;
@@ -459,13 +454,7 @@ __device__ __forceinline__ int window_select(const uint32_t *keys, int NP, int k
             sum += (v.x + v.y) + (v.z + v.w);
         }
     }
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-        if (lane >= o)
-            incl += v;
-    }
+    const int incl = warp_inclusive_sum(sum);
     const unsigned ge = __ballot_sync(0xFFFFFFFFu, incl >= kk);
     if (ge == 0u)
         return OUT_MISS; /* fewer than kk keys at or above the window's bottom */
@@ -474,13 +463,7 @@ __device__ __forceinline__ int window_select(const uint32_t *keys, int NP, int k
     /* the owner's bins, descending, one per lane (lanes < HB_LANE): scan again */
     const int top = HBINS - HB_LANE * owner - 1;
     const int ci = lane < HB_LANE ? hist[top - lane] : 0;
-    int ii = ci;
-#pragma unroll
-    for (int o = 1; o < HB_LANE; o *= 2) {
-        const int v = __shfl_up_sync(0xFFFFFFFFu, ii, o);
-        if (lane >= o)
-            ii += v;
-    }
+    const int ii = warp_inclusive_sum<HB_LANE>(ci);
     const int at = __ffs(__ballot_sync(0xFFFFFFFFu, lane < HB_LANE && ii >= rem0)) - 1; /* exists */
     const int bin = top - at;
     const int cb = __shfl_sync(0xFFFFFFFFu, ci, at);

@@ -57,6 +57,7 @@
 #include "common/cluster.cuh"
 #include "common/device.cuh"
 #include "common/launch.cuh"
+#include "common/warp.cuh"
 #include "topk/common.cuh"
 
 namespace gvr::topk {
@@ -506,12 +507,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             for (int q = 0; q < 4 * VEC; q++)
                 cm |= (__uint_as_float(tl.key[q]) >= tc ? 1u : 0u) << q;
             const int n = __popc(cm);
-            int incl = n; /* inclusive scan over the warp's lanes */
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-                incl += lane >= o ? y : 0;
-            }
+            const int incl = warp_inclusive_sum(n);
             if (cm) {
                 int pos = wcount + incl - n;
 #pragma unroll
@@ -771,12 +767,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
             /* per chunk: at most P <= 32768 above and CAND_CAP candidates, packed in one word */
             const int mine = popc_mask(ma) | (popc_mask(mc) << 16);
-            int incl = mine; /* inclusive scan over the warp's lanes */
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-                incl += lane >= o ? y : 0;
-            }
+            const int incl = warp_inclusive_sum(mine);
             if (lane == 31)
                 s.wtot[warp] = incl;
             __syncthreads();
