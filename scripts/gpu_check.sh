@@ -21,6 +21,8 @@
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
+#   attnab   A/B of attention kernels: scripts/attn_ab.py for the installed library and each carried build/ab_NAME.so.xz
+#   attnprofile  scripts/profile_attention_phases.py with -DGVR_PROFILE libraries carried as build/prof_NAME.so.xz
 #   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases
 #   calib    the EMA calibration on CUDA: its GPU tests and its time (T 4096 x Nb 2048, k 64)
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
@@ -237,6 +239,43 @@ profile() {  # per-phase clock stamps from debug libraries carried as build/prof
   done
 }
 
+attnprofile() {  # per-phase stamps of the attention kernel from debug libraries carried as build/prof_NAME.so.xz
+  local g name
+  for g in build/prof_*.so.xz; do
+    [ -e "$g" ] || continue
+    name=$(basename "$g"); name=${name%.so.*}
+    say "profile_attention_phases ($name)"
+    unpack "$g" /tmp/libprof.so || continue
+    (cd /tmp && timeout 180 $PY "$ROOT/scripts/profile_attention_phases.py" /tmp/libprof.so) 2>&1 | tee "$OUT/attnprofile_$name.log" | tail -${PP_TAIL:-30}
+  done
+}
+
+attnab() {  # A/B of attention kernels on one machine, interleaved: scripts/attn_ab.py for the installed library
+  # and for each carried build/ab_NAME.so.xz (same C ABI; restored after), $AB_REPEAT times (default 2)
+  say "attention A/B"
+  local installed g name i; installed=$(installed_lib)
+  cp "$installed" /tmp/lib_main.so
+  for i in $(seq 1 ${AB_REPEAT:-2}); do
+    (cd /tmp && timeout 200 $PY "$ROOT/scripts/attn_ab.py" ${AB_ONLY:+--only $AB_ONLY} --json "$OUT/attnab_main_$i.json") >> "$OUT/attnab.log" 2>&1
+    echo "main: exit $?"
+    for g in build/ab_*.so.xz; do
+      [ -e "$g" ] || continue
+      name=$(basename "$g"); name=${name%.so.*}
+      unpack "$g" "$installed" && (cd /tmp && timeout 200 $PY "$ROOT/scripts/attn_ab.py" ${AB_ONLY:+--only $AB_ONLY} --json "$OUT/attnab_${name#ab_}_$i.json") >> "$OUT/attnab.log" 2>&1
+      echo "$name: exit $?"; cp /tmp/lib_main.so "$installed"
+    done
+  done
+  $PY - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/attnab_compare.log"
+import glob, json, os, sys
+runs = sorted(glob.glob(os.path.join(sys.argv[1], "attnab_*.json")), key=os.path.getmtime)
+for mode in ("cold_g", "warm"):
+    print(mode)
+    for path in runs:
+        cells = json.load(open(path))["cells"]
+        print(f"  {os.path.basename(path)[7:-5]:14s} " + " ".join(f"{k} {v[mode]:.2f}" for k, v in cells.items()))
+PYEOF
+}
+
 installed_lib() {  # the installed gvr's libgvr_cuda.so, found without importing gvr (which would load it)
   (cd /tmp && $PY -c "import importlib.util, os; s = importlib.util.find_spec('gvr'); print(os.path.join(s.submodule_search_locations[0], '_lib', 'libgvr_cuda.so'))")
 }
@@ -320,6 +359,8 @@ for mode in "${@:-check}"; do
     hintsweep) hintsweep ;;
     topkquick) topkquick ;;
     profile) profile ;;
+    attnprofile) attnprofile ;;
+    attnab) attnab ;;
     topkab) topkab ;;
     attncpu) attncpu ;;
     calib) calib ;;

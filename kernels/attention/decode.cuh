@@ -23,6 +23,7 @@
 
 #include "common/cluster.cuh"
 #include "common/launch.cuh"
+#include "common/profile.cuh"
 #include "gvr_kernels.h"
 
 namespace gvr::attn {
@@ -249,6 +250,9 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     __shared__ SM sm;
 
     pdl_enter();
+    PROF_RESET();
+    PROF_SPAN(0);
+    PROF(0);
 
     const int tid = (int)threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int sw = lane / L, dl = lane % L, d0 = dl * 8;
@@ -266,46 +270,65 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     const int nh = min(HC, a.GQ - h0); /* valid heads of this chunk */
     const int hq0 = kvh * a.GQ + h0;   /* first query head */
 
-    /* q, pre-scaled, in registers (heads past nh: 0, never written) */
-    float q[HC][8];
+    /* The loads that depend on nothing are issued first and used late (q, lengths[b], the first tiles'
+     * entries, below), so that a cold call pays one DRAM round trip for them, not one each. q's raw
+     * halves now (element by element: q may have any 2-byte alignment; heads past nh: 0, never
+     * written), scaled to floats once the first tile's page loads are out. */
+    uint16_t qh[HC][8];
     {
         const char *qb = (const char *)a.q;
 #pragma unroll
         for (int h = 0; h < HC; h++) {
-            uint4 r = make_uint4(0, 0, 0, 0);
-            if (h < nh) { /* element by element: q may have any 2-byte alignment */
-                const uint16_t *qe =
-                    (const uint16_t *)(qb + 2 * ((long long)b * a.q_sb + (long long)(hq0 + h) * a.q_sh + d0));
-                r.x = (uint32_t)qe[0] | ((uint32_t)qe[1] << 16);
-                r.y = (uint32_t)qe[2] | ((uint32_t)qe[3] << 16);
-                r.z = (uint32_t)qe[4] | ((uint32_t)qe[5] << 16);
-                r.w = (uint32_t)qe[6] | ((uint32_t)qe[7] << 16);
-            }
+            const uint16_t *qe = (const uint16_t *)(qb + 2 * ((long long)b * a.q_sb + (long long)(hq0 + h) * a.q_sh + d0));
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                qh[h][i] = h < nh ? qe[i] : (uint16_t)0;
+        }
+    }
+    const bool blockmode = a.bt != nullptr;
+    const int lraw = (blockmode && a.lengths) ? __ldg(a.lengths + b) : 0;
+    /* a state to accumulate into: its rows to L2 now (read at the end, after the K/V round trips) */
+    if (a.accumulate && s == 0) {
+        constexpr int LINES = D * 4 / 128; /* 128-byte lines of one head's float32 row */
+        if (tid < HC * LINES && tid / LINES < nh) {
+            const char *row = (const char *)a.out + 4 * ((long long)b * a.out_sb + (long long)(hq0 + tid / LINES) * a.out_sh);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(row + 128 * (tid % LINES)));
+        }
+        if (tid < nh)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a.lse + (long long)b * a.lse_sb + (long long)(hq0 + tid) * a.lse_sh));
+    }
+    float q[HC][8];
+    auto load_q = [&]() {
+#pragma unroll
+        for (int h = 0; h < HC; h++) {
+            const uint4 r = make_uint4((uint32_t)qh[h][0] | ((uint32_t)qh[h][1] << 16), (uint32_t)qh[h][2] | ((uint32_t)qh[h][3] << 16),
+                                       (uint32_t)qh[h][4] | ((uint32_t)qh[h][5] << 16), (uint32_t)qh[h][6] | ((uint32_t)qh[h][7] << 16));
             cvt8<ELEM>(r, q[h]);
 #pragma unroll
             for (int i = 0; i < 8; i++)
                 q[h][i] *= a.qscale;
         }
-    }
+    };
 
     const long long e0 = (long long)s * a.n / a.S, e1 = (long long)(s + 1) * a.n / a.S;
     const int32_t *irow = a.idx + (long long)b * a.idx_sb + (long long)kvh * a.idx_sh;
     const char *kb = (const char *)a.k + 2 * ((long long)kvh * a.k_sh + d0);
     const char *vb = (const char *)a.v + 2 * ((long long)kvh * a.v_sh + d0);
-    const bool blockmode = a.bt != nullptr;
     const int G = a.G, P = a.P;
     const int32_t *btrow = a.bt + (long long)b * a.bt_sb;
-    long long len; /* block mode: tokens of the row; slot mode: slots of the cache */
-    if (blockmode) {
-        const long long cap = (long long)a.max_pages * P;
-        len = cap;
-        if (a.lengths) {
-            const long long l0 = a.lengths[b];
-            len = l0 < 0 ? 0 : (l0 > cap ? cap : l0);
+    long long len = 0; /* block mode: tokens of the row; slot mode: slots of the cache (set_len) */
+    auto set_len = [&]() {
+        if (blockmode) {
+            const long long cap = (long long)a.max_pages * P;
+            len = cap;
+            if (a.lengths) {
+                const long long l0 = lraw;
+                len = l0 < 0 ? 0 : (l0 > cap ? cap : l0);
+            }
+        } else {
+            len = a.num_pages * P;
         }
-    } else {
-        len = a.num_pages * P;
-    }
+    };
 
     /* entry x, token i of it -> (page, slot), valid0 (the page still to check); issues the page load */
     auto resolve_issue = [&](int x, int i, int &pg, int &slot) -> bool {
@@ -494,16 +517,21 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         int xa = -1, ia = 0, pg1 = 0, slot1 = 0;
         bool ok1 = false;
         if (ntiles > 0) {
-            stage_a(0, xa, ia);
+            int x0 = -1, i0 = 0;
+            stage_a(0, x0, i0);
+            stage_a(1, xa, ia);
+            set_len();
             int pg = 0, slot = 0;
             long long ko = 0, vo = 0;
-            bool ok = resolve_issue(xa, ia, pg, slot);
-            ok = resolve_finish(ok, pg, slot, ko, vo);
-            publish(0, ok, ko, vo);
-            stage_a(1, xa, ia);
+            bool ok = resolve_issue(x0, i0, pg, slot);
             ok1 = resolve_issue(xa, ia, pg1, slot1);
             stage_a(2, xa, ia);
+            ok = resolve_finish(ok, pg, slot, ko, vo);
+            publish(0, ok, ko, vo);
+        } else {
+            set_len();
         }
+        load_q();
         uint4 pk[U], pv[U];
         bool pval[U];
         bool have_pf = false; /* pk/pv hold the first step of the current tile */
@@ -525,6 +553,8 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             if (t + 3 < ntiles)
                 stage_a(t + 3, xa, ia);
             __syncthreads();
+            if (t == 0)
+                PROF(2);
 
             int pre[NW + 1], pren[NW + 1];
             prefix(cur, pre);
@@ -558,10 +588,14 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
                     if (!val[u])
                         vr[u] = make_uint4(0, 0, 0, 0); /* p = 0 times V: keep V finite */
                 step(kr, vr, val);
+                PROF(3);
             }
         }
+        PROF(4);
     } else {
         /* ---- partials mode: sub-warp gsw takes entries e0 + gsw, e0 + gsw + NSUB, ... ---- */
+        set_len();
+        load_q();
         float *acc = sm.u.red + gsw * HC * D + d0; /* acc[gsw][h][d] */
         float mr[HC], lr[HC];
 #pragma unroll
@@ -717,6 +751,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
                            : 0.f;
     }
     __syncthreads();
+    PROF(5);
 
     constexpr int D4 = D / 4, ITEMS = HC * D4;
 
@@ -771,6 +806,8 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
                 O = fma4(sm.wts[i][h], *(const float4 *)(red + (i * HC + h) * D + d4 * 4), O);
             finalize(h, d4, O, sm.hM[h], sm.hL[h], sm.hPrior[h]);
         }
+        PROF(9);
+        PROF_SPAN(1);
         return;
     }
 
@@ -793,8 +830,11 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         sm.last = prev == a.S - 1;
     }
     __syncthreads();
-    if (!sm.last)
+    PROF(6);
+    if (!sm.last) {
+        PROF_SPAN(1);
         return;
+    }
     __threadfence();
     if (tid == 0)
         a.ws_cnt[unit] = 0; /* every split has arrived: the workspace is zero again after this launch */
@@ -839,6 +879,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         }
     }
     __syncthreads();
+    PROF(7);
     for (int it = tid; it < ITEMS; it += THREADS) {
         const int h = it / D4, d4 = it - h * D4;
         const float *src = a.ws_o + (us * HC + h) * D + d4 * 4;
@@ -848,6 +889,8 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             O = fma4(sm.wts[i][h], __ldcg((const float4 *)(src + (long long)i * HC * D)), O);
         finalize(h, d4, O, sm.hM[h], sm.hL[h], sm.hPrior[h]);
     }
+    PROF(8);
+    PROF_SPAN(1);
 }
 
 template <int ELEM, int D, int HC, bool PART>
