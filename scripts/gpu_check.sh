@@ -21,6 +21,7 @@
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
+#   attnsan  compute-sanitizer memcheck + racecheck on the attention cases
 #   attnab   A/B of attention kernels: scripts/attn_ab.py for the installed library and each carried build/ab_NAME.so.xz
 #   attnprofile  scripts/profile_attention_phases.py with -DGVR_PROFILE libraries carried as build/prof_NAME.so.xz
 #   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases
@@ -361,6 +362,7 @@ for mode in "${@:-check}"; do
     profile) profile ;;
     attnprofile) attnprofile ;;
     attnab) attnab ;;
+    attnsan) sanitize attention ;;
     topkab) topkab ;;
     attncpu) attncpu ;;
     calib) calib ;;

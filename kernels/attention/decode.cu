@@ -194,6 +194,7 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
 
     DecodeArgs a{};
     a.q = p->q;
+    a.q_vec = aligned(p->q, 16) && p->q_stride_b % 8 == 0 && p->q_stride_h % 8 == 0;
     a.q_sb = p->q_stride_b;
     a.q_sh = p->q_stride_h;
     a.k = p->k;

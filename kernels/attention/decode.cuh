@@ -36,6 +36,7 @@ constexpr int MAX_SPLITS = 64;     /* splits of one unit's entries */
 /* Everything the kernel reads, resolved by the host (decode.cu). Strides in elements. */
 struct DecodeArgs {
     const void *q;
+    int q_vec; /* q and its strides allow 16-byte loads */
     long long q_sb, q_sh;
     const void *k;
     long long k_sp, k_st, k_sh;
@@ -274,17 +275,26 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
      * entries, below), so that a cold call pays one DRAM round trip for them, not one each. q's raw
      * halves now (element by element: q may have any 2-byte alignment; heads past nh: 0, never
      * written), scaled to floats once the first tile's page loads are out. */
-    uint16_t qh[HC][8];
+    uint4 qr[HC];
     {
         const char *qb = (const char *)a.q;
 #pragma unroll
         for (int h = 0; h < HC; h++) {
             const uint16_t *qe = (const uint16_t *)(qb + 2 * ((long long)b * a.q_sb + (long long)(hq0 + h) * a.q_sh + d0));
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                qh[h][i] = h < nh ? qe[i] : (uint16_t)0;
+            qr[h] = make_uint4(0, 0, 0, 0);
+            if (h < nh) {
+                if (a.q_vec) {
+                    qr[h] = __ldg((const uint4 *)qe);
+                } else { /* any 2-byte alignment: element by element (waits here: the rare case) */
+                    qr[h].x = (uint32_t)qe[0] | ((uint32_t)qe[1] << 16);
+                    qr[h].y = (uint32_t)qe[2] | ((uint32_t)qe[3] << 16);
+                    qr[h].z = (uint32_t)qe[4] | ((uint32_t)qe[5] << 16);
+                    qr[h].w = (uint32_t)qe[6] | ((uint32_t)qe[7] << 16);
+                }
+            }
         }
     }
+    PROF(1);
     const bool blockmode = a.bt != nullptr;
     const int lraw = (blockmode && a.lengths) ? __ldg(a.lengths + b) : 0;
     /* a state to accumulate into: its rows to L2 now (read at the end, after the K/V round trips) */
@@ -301,9 +311,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     auto load_q = [&]() {
 #pragma unroll
         for (int h = 0; h < HC; h++) {
-            const uint4 r = make_uint4((uint32_t)qh[h][0] | ((uint32_t)qh[h][1] << 16), (uint32_t)qh[h][2] | ((uint32_t)qh[h][3] << 16),
-                                       (uint32_t)qh[h][4] | ((uint32_t)qh[h][5] << 16), (uint32_t)qh[h][6] | ((uint32_t)qh[h][7] << 16));
-            cvt8<ELEM>(r, q[h]);
+            cvt8<ELEM>(qr[h], q[h]);
 #pragma unroll
             for (int i = 0; i < 8; i++)
                 q[h][i] *= a.qscale;
@@ -521,12 +529,15 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             stage_a(0, x0, i0);
             stage_a(1, xa, ia);
             set_len();
+            PROF(10);
             int pg = 0, slot = 0;
             long long ko = 0, vo = 0;
             bool ok = resolve_issue(x0, i0, pg, slot);
+            PROFV(11, clock64() + (ok ? 0 : 0 * pg));
             ok1 = resolve_issue(xa, ia, pg1, slot1);
             stage_a(2, xa, ia);
             ok = resolve_finish(ok, pg, slot, ko, vo);
+            PROFV(12, clock64() + (ok ? 0 : 0 * ko));
             publish(0, ok, ko, vo);
         } else {
             set_len();
@@ -823,9 +834,11 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     }
     if (tid < HC)
         __stcg((float2 *)(a.ws_ml + ((us + s) * HC + tid) * 2), make_float2(sm.hM[tid], sm.hL[tid]));
-    __threadfence();
+    /* the writes of every thread ordered before thread 0's count by the barrier and thread 0's fence
+     * (fences are cumulative: cooperative groups' grid sync relies on the same) */
     __syncthreads();
     if (tid == 0) {
+        __threadfence();
         const int prev = atomicAdd(a.ws_cnt + unit, 1);
         sm.last = prev == a.S - 1;
     }
@@ -838,6 +851,17 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     __threadfence();
     if (tid == 0)
         a.ws_cnt[unit] = 0; /* every split has arrived: the workspace is zero again after this launch */
+    /* this thread's first item's split states, the first MB of them, loaded now: their round trip
+     * overlaps the weights' */
+    constexpr int MB = 16;
+    float4 pre[MB];
+    if (tid < ITEMS) {
+        const int h = tid / D4, d4 = tid - h * D4;
+        const float *src = a.ws_o + (us * HC + h) * D + d4 * 4;
+#pragma unroll
+        for (int i = 0; i < MB; i++)
+            pre[i] = i < a.S ? __ldcg((const float4 *)(src + (long long)i * HC * D)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     /* per head: the splits' maxima and weights, lane i holding splits i and i + 32 (S <= 64), reduced by
      * fixed butterflies (the same tree every time: deterministic) */
     static_assert(MAX_SPLITS <= 64, "two splits per lane");
@@ -884,8 +908,16 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         const int h = it / D4, d4 = it - h * D4;
         const float *src = a.ws_o + (us * HC + h) * D + d4 * 4;
         float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+        int i0 = 0;
+        if (it == tid) {
+#pragma unroll
+            for (int i = 0; i < MB; i++)
+                if (i < a.S)
+                    O = fma4(sm.wts[i][h], pre[i], O);
+            i0 = MB;
+        }
 #pragma unroll 8
-        for (int i = 0; i < a.S; i++)
+        for (int i = i0; i < a.S; i++)
             O = fma4(sm.wts[i][h], __ldcg((const float4 *)(src + (long long)i * HC * D)), O);
         finalize(h, d4, O, sm.hM[h], sm.hL[h], sm.hPrior[h]);
     }
