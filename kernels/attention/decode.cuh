@@ -12,7 +12,9 @@
  *  - partials mode (part_out != NULL): a sub-warp takes whole entries (entry-major), writes each
  *    entry's own state and merges it into its running state (O kept in shared memory).
  * The end of the CTA merges the sub-warps (shuffles) and the warps (shared memory) in fixed order;
- * S == 1 writes out / lse (merged with the prior state when accumulating); S > 1 writes the split's
+ * S == 1 writes out / lse (merged with the prior state when accumulating); a cluster launch (a.cl > 1:
+ * the S splits are the cluster's ranks) pushes ranks > 0's states into rank 0's shared memory (st.async,
+ * one mbarrier) and rank 0 merges them in rank order; otherwise S > 1 writes the split's
  * state to the workspace and the CTA that arrives last at the unit's counter merges the S split states
  * in split order (deterministic whichever CTA is last) and resets the counter to 0. */
 #pragma once
@@ -22,6 +24,7 @@
 #include <cstdint>
 
 #include "common/cluster.cuh"
+#include "common/device.cuh"
 #include "common/launch.cuh"
 #include "common/profile.cuh"
 #include "gvr_kernels.h"
@@ -32,6 +35,15 @@ constexpr int NW = 4;              /* warps per CTA */
 constexpr int THREADS = NW * 32;   /* threads per CTA */
 constexpr int TILE = THREADS;      /* tokens resolved per tile (one per thread) */
 constexpr int MAX_SPLITS = 64;     /* splits of one unit's entries */
+/* the most splits merged in one cluster (16: non-portable on sm_90); 0: never (every split merge goes
+ * through the global workspace) */
+#ifndef GVR_DECODE_MAX_CLUSTER
+#define GVR_DECODE_MAX_CLUSTER 16
+#endif
+constexpr int MAX_CLUSTER = GVR_DECODE_MAX_CLUSTER;
+/* dynamic shared memory of a cluster launch: rank 0's buffer for C split states, [C][HC][D] O then
+ * [C][HC][2] (m, l) floats */
+__host__ __device__ constexpr int cluster_state_bytes(int hc, int d) { return hc * d * 4 + hc * 8; }
 
 /* Everything the kernel reads, resolved by the host (decode.cu). Strides in elements. */
 struct DecodeArgs {
@@ -66,6 +78,8 @@ struct DecodeArgs {
     float *part_lse;
     long long pl_sb, pl_sh;
     int Hkv, GQ, nch, S;
+    int cl; /* > 1: the S splits of a unit are one cluster of S CTAs: ranks 1.. push their states into rank 0's
+             * shared memory (st.async), rank 0 merges them (no workspace, no global round trip) */
     float *ws_o;   /* [units][S][HC][D] */
     float *ws_ml;  /* [units][S][HC][2] */
     int *ws_cnt;   /* [units] */
@@ -82,7 +96,10 @@ constexpr int resident_ctas(int hc) { return GVR_DECODE_MINB(hc); }
  * per CTA, PART: per-entry partial states. Explicitly instantiated in decode_d<D>.cu. */
 template <int ELEM, int D, int HC, bool PART>
 struct DecodeInstance {
-    static cudaError_t launch(const DecodeArgs &a, unsigned grid, cudaStream_t stream);
+    /* cluster > 1: clusters of that many CTAs (a.cl), with their dynamic shared memory */
+    static cudaError_t launch(const DecodeArgs &a, unsigned grid, int cluster, cudaStream_t stream);
+    /* whether clusters of C CTAs can run on device dev (cached per device) */
+    static bool cluster_ok(int dev, int C);
 };
 
 /* The instances of head dim D (one decode_d<D>.cu each, compiled in parallel): f16 / bf16, HC in
@@ -229,6 +246,7 @@ struct Smem {
     };
     U u;
     int cnt[3][NW];
+    uint64_t cl_mb; /* cluster launches, rank 0: the split states' arrival */
     float red_m[NW][HC], red_l[NW][HC];
     float wts[MAX_SPLITS][HC];
     float hM[HC], hL[HC], hPrior[HC];
@@ -259,17 +277,25 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     const int sw = lane / L, dl = lane % L, d0 = dl * 8;
     const int gsw = w * TPW + sw;
 
-    unsigned bid = blockIdx.x;
-    const int chunk = (int)(bid % (unsigned)a.nch);
-    bid /= (unsigned)a.nch;
+    unsigned bid = blockIdx.x; /* a unit's splits are consecutive CTAs: a cluster's ranks are its splits */
     const int s = (int)(bid % (unsigned)a.S);
     bid /= (unsigned)a.S;
+    const int chunk = (int)(bid % (unsigned)a.nch);
+    bid /= (unsigned)a.nch;
     const int kvh = (int)(bid % (unsigned)a.Hkv);
     const int b = (int)(bid / (unsigned)a.Hkv);
     const long long unit = ((long long)b * a.Hkv + kvh) * a.nch + chunk;
     const int h0 = chunk * HC;
     const int nh = min(HC, a.GQ - h0); /* valid heads of this chunk */
     const int hq0 = kvh * a.GQ + h0;   /* first query head */
+    if (a.cl > 1) { /* rank 0 (s == 0) expects the other ranks' states; they push only after the barrier */
+        if (s == 0 && tid == 0) {
+            mbar_init(&sm.cl_mb, 1);
+            mbar_expect_bytes(&sm.cl_mb, (uint32_t)((a.cl - 1) * cluster_state_bytes(HC, D)));
+            fence_mbar_init();
+        }
+        cluster_arrive_relaxed();
+    }
 
     /* The loads that depend on nothing are issued first and used late (q, lengths[b], the first tiles'
      * entries, below), so that a cold call pays one DRAM round trip for them, not one each. q's raw
@@ -822,6 +848,65 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         return;
     }
 
+    if (a.cl > 1) {
+        /* ---- the unit's splits are this cluster's ranks: ranks > 0 push their state (O over the warps,
+         * then m, l per head) into rank 0's slot [rank] and leave; rank 0 writes its own into slot 0, waits
+         * for the bytes, and merges in rank order (deterministic) ---- */
+        extern __shared__ __align__(16) float cl_buf[];
+        const int C = a.cl;
+        float *cl_o = cl_buf, *cl_ml = cl_buf + (long long)C * HC * D;
+        cluster_wait(); /* rank 0's mbarrier is initialized */
+        const uint32_t mb0 = peer_u32(smem_u32(&sm.cl_mb), 0);
+        for (int it = tid; it < ITEMS; it += THREADS) {
+            const int h = it / D4, d4 = it - h * D4;
+            float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int i = 0; i < NW; i++)
+                O = fma4(sm.wts[i][h], *(const float4 *)(red + (i * HC + h) * D + d4 * 4), O);
+            float *dst = cl_o + (s * HC + h) * D + d4 * 4;
+            if (s == 0)
+                *(float4 *)dst = O;
+            else
+                st_async_v4(peer_u32(smem_u32(dst), 0),
+                            make_uint4(__float_as_uint(O.x), __float_as_uint(O.y), __float_as_uint(O.z), __float_as_uint(O.w)), mb0);
+        }
+        if (tid < HC) {
+            float *dst = cl_ml + (s * HC + tid) * 2;
+            if (s == 0) {
+                dst[0] = sm.hM[tid];
+                dst[1] = sm.hL[tid];
+            } else {
+                st_async_v2(peer_u32(smem_u32(dst), 0), make_uint2(__float_as_uint(sm.hM[tid]), __float_as_uint(sm.hL[tid])), mb0);
+            }
+        }
+        PROF(6);
+        if (s != 0) {
+            PROF_SPAN(1);
+            return;
+        }
+        mbar_wait(&sm.cl_mb, 0);
+        __syncthreads(); /* slot 0 (this CTA's own writes) */
+        for (int it = tid; it < ITEMS; it += THREADS) {
+            const int h = it / D4, d4 = it - h * D4;
+            float M = NEG_INF;
+            for (int r = 0; r < C; r++)
+                M = fmaxf(M, cl_ml[(r * HC + h) * 2]);
+            const float Mu = M == NEG_INF ? 0.f : M;
+            float Ls = 0.f;
+            float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int r = 0; r < C; r++) {
+                const float wt = ex2(cl_ml[(r * HC + h) * 2] - Mu);
+                Ls = fmaf(wt, cl_ml[(r * HC + h) * 2 + 1], Ls);
+                O = fma4(wt, *(const float4 *)(cl_o + (r * HC + h) * D + d4 * 4), O);
+            }
+            const float prior = (a.accumulate && h < nh) ? a.lse[(long long)b * a.lse_sb + (long long)(hq0 + h) * a.lse_sh] : 0.f;
+            finalize(h, d4, O, M, Ls, prior);
+        }
+        PROF(8);
+        PROF_SPAN(1);
+        return;
+    }
+
     /* ---- S > 1: this split's state to the workspace; the last CTA of the unit merges ---- */
     const long long us = unit * a.S;
     for (int it = tid; it < ITEMS; it += THREADS) {
@@ -925,11 +1010,60 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     PROF_SPAN(1);
 }
 
+/* cluster launches: clusters of more than 8 CTAs (non-portable) and rank 0's dynamic shared memory, set
+ * once per device */
 template <int ELEM, int D, int HC, bool PART>
-cudaError_t DecodeInstance<ELEM, D, HC, PART>::launch(const DecodeArgs &a, unsigned grid, cudaStream_t stream)
+cudaError_t decode_configure(int dev)
 {
-    LaunchConfig lc(grid, THREADS, 0, 0, stream);
+    static DeviceCache<1> configured;
+    if (configured.get(dev, 0))
+        return cudaSuccess;
+    auto fn = gvr_attention_decode_kernel<ELEM, D, HC, PART>;
+    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (MAX_CLUSTER > 1 ? MAX_CLUSTER : 1) * cluster_state_bytes(HC, D));
+    if (e == cudaSuccess)
+        configured.put(dev, 0, 1);
+    return e;
+}
+
+template <int ELEM, int D, int HC, bool PART>
+cudaError_t DecodeInstance<ELEM, D, HC, PART>::launch(const DecodeArgs &a, unsigned grid, int cluster, cudaStream_t stream)
+{
+    size_t dyn = 0;
+    if (cluster > 1) {
+        int dev = 0;
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e == cudaSuccess)
+            e = decode_configure<ELEM, D, HC, PART>(dev);
+        if (e != cudaSuccess)
+            return e;
+        dyn = (size_t)cluster * cluster_state_bytes(HC, D);
+    }
+    LaunchConfig lc(grid, THREADS, cluster > 1 ? cluster : 0, dyn, stream);
     return cudaLaunchKernelEx(&lc.cfg, gvr_attention_decode_kernel<ELEM, D, HC, PART>, a);
+}
+
+template <int ELEM, int D, int HC, bool PART>
+bool DecodeInstance<ELEM, D, HC, PART>::cluster_ok(int dev, int C)
+{
+    static DeviceCache<(MAX_CLUSTER > 1 ? MAX_CLUSTER : 1) + 1> cache; /* 1: yes, 2: no */
+    if (C < 2 || C > MAX_CLUSTER)
+        return false;
+    int v = cache.get(dev, C);
+    if (v == 0) {
+        int n = 0;
+        if (decode_configure<ELEM, D, HC, PART>(dev) == cudaSuccess) {
+            LaunchConfig lc((unsigned)C, THREADS, C, (size_t)C * cluster_state_bytes(HC, D), nullptr, false);
+            if (cudaOccupancyMaxActiveClusters(&n, gvr_attention_decode_kernel<ELEM, D, HC, PART>, &lc.cfg) != cudaSuccess)
+                n = 0;
+        }
+        cudaGetLastError(); /* a failed query is not the caller's error */
+        v = n > 0 ? 1 : 2;
+        cache.put(dev, C, v);
+    }
+    return v == 1;
 }
 
 #endif /* __CUDACC__ && GVR_DECODE_KERNELS */
