@@ -792,6 +792,15 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
 
     constexpr int D4 = D / 4, ITEMS = HC * D4;
 
+    /* this CTA's O of head h, elements [4 d4, 4 d4 + 4): the warps' rows of red combined with their weights */
+    auto cta_o = [&](int h, int d4) {
+        float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int i = 0; i < NW; i++)
+            O = fma4(sm.wts[i][h], *(const float4 *)(red + (i * HC + h) * D + d4 * 4), O);
+        return O;
+    };
+
     /* the final state of head h (log2 domain, O unnormalized) into out / lse */
     auto finalize = [&](int h, int d4, float4 O, float M, float Ls, float prior) {
         if (h >= nh)
@@ -837,10 +846,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     if (a.S == 1) {
         for (int it = tid; it < ITEMS; it += THREADS) {
             const int h = it / D4, d4 = it - h * D4;
-            float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int i = 0; i < NW; i++)
-                O = fma4(sm.wts[i][h], *(const float4 *)(red + (i * HC + h) * D + d4 * 4), O);
+            const float4 O = cta_o(h, d4);
             finalize(h, d4, O, sm.hM[h], sm.hL[h], sm.hPrior[h]);
         }
         PROF(9);
@@ -859,10 +865,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         const uint32_t mb0 = peer_u32(smem_u32(&sm.cl_mb), 0);
         for (int it = tid; it < ITEMS; it += THREADS) {
             const int h = it / D4, d4 = it - h * D4;
-            float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int i = 0; i < NW; i++)
-                O = fma4(sm.wts[i][h], *(const float4 *)(red + (i * HC + h) * D + d4 * 4), O);
+            const float4 O = cta_o(h, d4);
             float *dst = cl_o + (s * HC + h) * D + d4 * 4;
             if (s == 0)
                 *(float4 *)dst = O;
@@ -911,10 +914,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     const long long us = unit * a.S;
     for (int it = tid; it < ITEMS; it += THREADS) {
         const int h = it / D4, d4 = it - h * D4;
-        float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int i = 0; i < NW; i++)
-            O = fma4(sm.wts[i][h], *(const float4 *)(red + (i * HC + h) * D + d4 * 4), O);
+        const float4 O = cta_o(h, d4);
         __stcg((float4 *)(a.ws_o + ((us + s) * HC + h) * D + d4 * 4), O);
     }
     if (tid < HC)
