@@ -1,4 +1,4 @@
-"""PRR's predictor and calibration, measured (issue 13's benchmark; the GPU step timing is still owed).
+"""PRR's predictor, calibration and decode step, measured (issue 13's benchmark).
 
 Sections:
   hit rates   on gvr.data.block_score_trace layers (weakly persistent first, then persistent): per
@@ -11,7 +11,8 @@ Sections:
               over the grid points; bar <= 1 ms).
   step (--cuda) one layer's decode step, graph-replayed: Hq 32, Hkv 8, D 128, bf16, 64-token pages and
               blocks, top-k 64 blocks (4K tokens), B in {1, 8}, context 32K / 128K / 512K; a random
-              cache (N(0,1)) and a query drifting step to step (AR(1), --persistence); one graph holds
+              cache (N(0,1)) and a query drifting step to step (AR(1) of correlation --persistence: 0.95 and
+              0.99 by default, the second reselecting more blocks step to step); one graph holds
               --steps consecutive steps (each its own query), replayed; time per step. Methods: serial
               (select_blocks, then sparse_attention over the selection), the selection alone, the
               attention alone, PRR (SpeculativeAttention.step with quest_select) with last-step reuse and
@@ -72,110 +73,112 @@ def cuda_steps(gvr, torch, args):
     gen.manual_seed(args.seed)
     contexts = (32768, 131072) if args.quick else (32768, 131072, 524288)
     batches = (1,) if args.quick else (1, 8)
-    S, rho = args.steps, args.persistence
+    S = args.steps
     cells = []
-    headers = ["B", "context", "serial", "select", "attend", "rho=0", "last/exact", "last/sup", "ema/exact", "ema/sup",
-               "hit last", "hit EMA", "serial/ema-exact", "exact diff", "check"]
+    headers = ["persist", "B", "context", "serial", "select", "attend", "rho=0", "last/exact", "last/sup", "ema/exact",
+               "ema/sup", "hit last", "hit EMA", "serial/ema-exact", "serial/ema-sup", "exact diff", "check"]
     print(f"\n## one layer step, graph-replayed (us per step; {S} steps with drifting queries per graph, "
-          f"persistence {rho}); Hq {HQ}, Hkv {HKV}, D {D}, bf16, blocks of {G}, top-k {KB} blocks", flush=True)
+          f"query persistence {args.persistence}); Hq {HQ}, Hkv {HKV}, D {D}, bf16, blocks of {G}, top-k {KB} blocks",
+          flush=True)
     print(H.format_table(headers, []).split("\n")[0], flush=True)
-    for B in batches:
-        for ctx in contexts:
-            case = paged_decode_case(torch, B, ctx, HQ, HKV, D, P, S, persistence=rho, generator=gen, device=dev,
-                                     dtype=torch.bfloat16)
-            Kc, Vc, bt, lengths, meta, qs = case.K, case.V, case.block_table, case.lengths, case.meta, case.queries
-            qbuf = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
-            sel = torch.full((B, HKV, KB), -1, dtype=torch.int32, device=dev)
-            out = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
-            lse = torch.empty(B, HQ, device=dev)
-            akw = dict(block_table=bt, lengths=lengths, block_size=G)
+    for rho, B, ctx in [(r, b, c) for r in args.persistence for b in batches for c in contexts]:
+        case = paged_decode_case(torch, B, ctx, HQ, HKV, D, P, S, persistence=rho, generator=gen, device=dev,
+                                 dtype=torch.bfloat16)
+        Kc, Vc, bt, lengths, meta, qs = case.K, case.V, case.block_table, case.lengths, case.meta, case.queries
+        qbuf = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
+        sel = torch.full((B, HKV, KB), -1, dtype=torch.int32, device=dev)
+        out = torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev)
+        lse = torch.empty(B, HQ, device=dev)
+        akw = dict(block_table=bt, lengths=lengths, block_size=G)
 
-            def select_only(q):
-                return gvr.prr.select_blocks(q, meta, KB, lengths, block_size=G, out=sel)
+        def select_only(q):
+            return gvr.prr.select_blocks(q, meta, KB, lengths, block_size=G, out=sel)
 
-            def serial(i):
+        def serial(i):
+            qbuf.copy_(qs[i])
+            select_only(qbuf)
+            gvr.sparse_attention(qbuf, Kc, Vc, sel, out=out, lse=lse, **akw)
+
+        def sel_part(i):
+            qbuf.copy_(qs[i])
+            select_only(qbuf)
+
+        def att_part(i):
+            gvr.sparse_attention(qbuf, Kc, Vc, sel, out=out, lse=lse, **akw)
+
+        runtimes = {}
+        for pred in ("last", "ema"):
+            for mode in ("exact", "superset"):
+                sa = R.SpeculativeAttention(B, HQ, HKV, D, ctx // G, block_size=G, k=KB, mode=mode,
+                                            predictor=pred, device=dev, dtype="bfloat16")
+                fn = select_only if pred == "last" else R.quest_select(meta, KB, lengths, block_size=G)
+                runtimes[(pred, mode)] = (sa, fn)
+        # budget 0: no speculation, the runtime's own overhead over serial
+        runtimes[("off", "exact")] = (R.SpeculativeAttention(B, HQ, HKV, D, ctx // G, block_size=G, k=KB, budget=0.0,
+                                                              predictor="last", device=dev, dtype="bfloat16"),
+                                      select_only)
+
+        def prr_step(key):
+            sa, fn = runtimes[key]
+
+            def f(i):
                 qbuf.copy_(qs[i])
-                select_only(qbuf)
-                gvr.sparse_attention(qbuf, Kc, Vc, sel, out=out, lse=lse, **akw)
+                sa.step(qbuf, Kc, Vc, bt, lengths, fn, out=out)
+            return f
 
-            def sel_part(i):
-                qbuf.copy_(qs[i])
-                select_only(qbuf)
+        cell = {"b": B, "context": ctx, "steps": S, "persistence": rho, "us": {}, "hit": {}}
+        # exactness, eager, step by step: exact mode vs serial (same selection: the same function)
+        worst = 0.0
+        for key in (("last", "exact"), ("ema", "exact")):
+            f = prr_step(key)
+            for i in range(S):
+                serial(i)
+                ref = out.float().clone()
+                f(i)
+                worst = max(worst, float((out.float() - ref).abs().max()))
+        tol = 2 * 2.0 ** -8 * max(1.0, float(ref.abs().max()))  # two bf16 ulps of the largest output
+        cell["exact_max_diff"], cell["exact_tolerance"] = worst, tol
+        cell["correct"] = worst <= tol
 
-            def att_part(i):
-                gvr.sparse_attention(qbuf, Kc, Vc, sel, out=out, lse=lse, **akw)
-
-            runtimes = {}
-            for pred in ("last", "ema"):
-                for mode in ("exact", "superset"):
-                    sa = R.SpeculativeAttention(B, HQ, HKV, D, ctx // G, block_size=G, k=KB, mode=mode,
-                                                predictor=pred, device=dev, dtype="bfloat16")
-                    fn = select_only if pred == "last" else R.quest_select(meta, KB, lengths, block_size=G)
-                    runtimes[(pred, mode)] = (sa, fn)
-            # budget 0: no speculation, the runtime's own overhead over serial
-            runtimes[("off", "exact")] = (R.SpeculativeAttention(B, HQ, HKV, D, ctx // G, block_size=G, k=KB, budget=0.0,
-                                                                  predictor="last", device=dev, dtype="bfloat16"),
-                                          select_only)
-
-            def prr_step(key):
-                sa, fn = runtimes[key]
-
-                def f(i):
-                    qbuf.copy_(qs[i])
-                    sa.step(qbuf, Kc, Vc, bt, lengths, fn, out=out)
-                return f
-
-            cell = {"b": B, "context": ctx, "steps": S, "persistence": rho, "us": {}, "hit": {}}
-            # exactness, eager, step by step: exact mode vs serial (same selection: the same function)
-            worst = 0.0
-            for key in (("last", "exact"), ("ema", "exact")):
-                f = prr_step(key)
+        def run_all(step_fn):
+            def g():
                 for i in range(S):
-                    serial(i)
-                    ref = out.float().clone()
-                    f(i)
-                    worst = max(worst, float((out.float() - ref).abs().max()))
-            tol = 2 * 2.0 ** -8 * max(1.0, float(ref.abs().max()))  # two bf16 ulps of the largest output
-            cell["exact_max_diff"], cell["exact_tolerance"] = worst, tol
-            cell["correct"] = worst <= tol
+                    step_fn(i)
+            return g
 
-            def run_all(step_fn):
-                def g():
-                    for i in range(S):
-                        step_fn(i)
-                return g
+        def timed(name, step_fn, sa=None):
+            try:
+                if sa is not None:
+                    sa.reset_hit_rates()
+                r = timer.graph(run_all(step_fn), calls=1, replays=args.replays)
+                cell["us"][name] = r["median_us"] / S
+                if sa is not None:
+                    cell["hit"][name] = sa.mean_hit_rate
+            except Exception as e:  # noqa: BLE001 - a method that does not run is reported
+                cell.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:200]
+                print(f"  ({name}: {cell['errors'][name]})", flush=True)
+                torch.cuda.synchronize()
 
-            def timed(name, step_fn, sa=None):
-                try:
-                    if sa is not None:
-                        sa.reset_hit_rates()
-                    r = timer.graph(run_all(step_fn), calls=1, replays=args.replays)
-                    cell["us"][name] = r["median_us"] / S
-                    if sa is not None:
-                        cell["hit"][name] = sa.mean_hit_rate
-                except Exception as e:  # noqa: BLE001 - a method that does not run is reported
-                    cell.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:200]
-                    print(f"  ({name}: {cell['errors'][name]})", flush=True)
-                    torch.cuda.synchronize()
+        timed("serial", serial)
+        timed("select", sel_part)
+        timed("attend", att_part)
+        for (pred, mode), (sa, _) in runtimes.items():
+            timed(f"{pred}/{mode}", prr_step((pred, mode)), sa)
+        u = cell["us"]
+        cell["speedup_ema_exact"] = H.ratio(u.get("serial"), u.get("ema/exact"))
+        cell["speedup_ema_superset"] = H.ratio(u.get("serial"), u.get("ema/superset"))
 
-            timed("serial", serial)
-            timed("select", sel_part)
-            timed("attend", att_part)
-            for (pred, mode), (sa, _) in runtimes.items():
-                timed(f"{pred}/{mode}", prr_step((pred, mode)), sa)
-            u = cell["us"]
-            cell["speedup_ema_exact"] = H.ratio(u.get("serial"), u.get("ema/exact"))
-
-            def us(name):
-                return H.fmt_us(u.get(name))
-            row = [str(B), H.fmt_n(ctx), us("serial"), us("select"), us("attend"), us("off/exact"), us("last/exact"),
-                   us("last/superset"), us("ema/exact"), us("ema/superset"), f"{cell['hit'].get('last/exact', float('nan')):.2f}",
-                   f"{cell['hit'].get('ema/exact', float('nan')):.2f}", H.fmt_x(cell["speedup_ema_exact"]),
-                   f"{worst:.1e}", "ok" if cell["correct"] else "FAIL"]
-            print(H.format_table(headers, [row]).split("\n")[-1], flush=True)
-            cells.append(cell)
-            del Kc, Vc, meta, runtimes, case
-            torch.cuda.empty_cache()
+        def us(name):
+            return H.fmt_us(u.get(name))
+        row = [f"{rho:g}", str(B), H.fmt_n(ctx), us("serial"), us("select"), us("attend"), us("off/exact"), us("last/exact"),
+               us("last/superset"), us("ema/exact"), us("ema/superset"), f"{cell['hit'].get('last/exact', float('nan')):.2f}",
+               f"{cell['hit'].get('ema/exact', float('nan')):.2f}", H.fmt_x(cell["speedup_ema_exact"]),
+               H.fmt_x(cell["speedup_ema_superset"]),
+               f"{worst:.1e}", "ok" if cell["correct"] else "FAIL"]
+        print(H.format_table(headers, [row]).split("\n")[-1], flush=True)
+        cells.append(cell)
+        del Kc, Vc, meta, runtimes, case
+        torch.cuda.empty_cache()
     return cells
 
 
@@ -201,7 +204,8 @@ def main():
     ap.add_argument("--cuda", action="store_true", help="the GPU sections: step timing, calibration on CUDA")
     ap.add_argument("--steps", type=int, default=16, help="--cuda: consecutive steps captured in one graph")
     ap.add_argument("--replays", type=int, default=10, help="--cuda: graph replays timed per method")
-    ap.add_argument("--persistence", type=float, default=0.95, help="--cuda: AR(1) correlation of the query")
+    ap.add_argument("--persistence", type=float, nargs="+", default=[0.95, 0.99],
+                    help="--cuda: AR(1) correlations of the query (one table row set each)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)

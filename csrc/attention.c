@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cpu/attention_cpu.h"
+#include "cpu/elem.h"
 #include "cuda_lib.h"
 #include "dispatch.h"
 #include "intake.h"
@@ -47,7 +48,7 @@ static int parse_float(PyObject *o, const char *name, float *v)
  * sparse_attention (accumulate = 1: prr.repair)
  * ================================================================================================ */
 
-enum { Q, KC, VC, IDX, BT, LEN, OUT, LSE, POUT, PLSE, WS, ATT_NARGS };
+enum { Q, KC, VC, IDX, BT, LEN, OUT, LSE, POUT, PLSE, WS, EXC, CNT, CAST, ATT_NARGS };
 
 static const gvr_arg_spec attention_args[ATT_NARGS] = {
     [Q] = {"q", FLOATS, "B,Hq,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
@@ -62,14 +63,20 @@ static const gvr_arg_spec attention_args[ATT_NARGS] = {
     [PLSE] = {"part_lse", F32, "B,Hq,n", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT | GVR_UNIT_LAST, NULL, NULL},
     [WS] = {"workspace", U8, "ws_bytes", GVR_DEVICE, GVR_OPTIONAL | GVR_OUTPUT | GVR_CONTIGUOUS_ON_DEVICE, NULL,
             NULL},
+    /* prr.repair's fused extras */
+    [EXC] = {"exclude", I32, "B,Hx,nx", ON_CALL, GVR_OPTIONAL | GVR_UNIT_LAST, NULL, NULL},
+    [CNT] = {"counts", I64, "ncounts", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
+    [CAST] = {"cast_out", FLOATS, "B,Hq,D", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT | GVR_UNIT_LAST, NULL, NULL},
 };
 const gvr_spec gvr_attention_spec = {"sparse_attention", ATT_NARGS, attention_args};
 
 const char gvr_attention_doc[] =
     "sparse_attention(q, k_cache, v_cache, indices, block_table, lengths, block_size, scale, out, lse,\n"
-    "                 part_out, part_lse, accumulate, workspace, stream, nosync)\n--\n\n"
+    "                 part_out, part_lse, accumulate, workspace, stream, nosync, exclude, counts, cast_out)\n--\n\n"
     "Attention over the selected entries of a paged KV cache into (out, lse); accumulate: merge into the\n"
-    "state (out float32, lse) already there (prr.repair). See gvr.sparse_attention.";
+    "state (out float32, lse) already there (prr.repair), with its extras exclude (entries skipped),\n"
+    "counts (int64 [2] or [4], += hits and entries) and cast_out (the result converted). See\n"
+    "gvr.sparse_attention and gvr.prr.repair.";
 
 /* Shape checks beyond the spec (the spec ties the named dimensions). */
 static int check_attention(const gvr_intake *in, const gvr_attention_params *p, int accumulate)
@@ -122,6 +129,40 @@ static int check_attention(const gvr_intake *in, const gvr_attention_params *p, 
     if (od != qd && od != GVR_DTYPE_F32) {
         PyErr_Format(PyExc_ValueError, "'out' must have q's dtype (%s) or float32, got %s", in->view[Q].dtype_str,
                      in->view[OUT].dtype_str);
+        return -1;
+    }
+    const gvr_view *xv = &in->view[EXC], *cv = &in->view[CNT], *av = &in->view[CAST];
+    if ((xv->data || cv->data || av->data) && !accumulate) {
+        PyErr_Format(PyExc_ValueError, "%s: 'exclude', 'counts' and 'cast_out' belong to prr.repair", op);
+        return -1;
+    }
+    if ((xv->data || cv->data || av->data) && p->part_out) {
+        PyErr_SetString(PyExc_ValueError, "prr.repair: 'exclude', 'counts' and 'cast_out' do not combine with 'partials'");
+        return -1;
+    }
+    if (xv->data) {
+        if (xv->shape[1] != 1 && xv->shape[1] != p->Hsel) {
+            PyErr_Format(PyExc_ValueError, "'exclude' must have shape [B, Hx, nx] with Hx = 1 or the selection's heads "
+                         "Hsel = %d (from 'indices'), got Hx = %lld", p->Hsel, (long long)xv->shape[1]);
+            return -1;
+        }
+        if (xv->shape[2] > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "'exclude' must have fewer than 2^31 entries per row");
+            return -1;
+        }
+    }
+    if (cv->data && cv->shape[0] != 2 && cv->shape[0] != 4) {
+        PyErr_Format(PyExc_ValueError, "'counts' must be int64 of shape [2] or [4], got [%lld]", (long long)cv->shape[0]);
+        return -1;
+    }
+    if (cv->data && cv->strides[0] != 1) {
+        PyErr_Format(PyExc_ValueError, "'counts' must be contiguous, got a stride of %lld elements",
+                     (long long)cv->strides[0]);
+        return -1;
+    }
+    if (av->data && av->dtype != in->view[Q].dtype && av->dtype != GVR_DTYPE_F32) {
+        PyErr_Format(PyExc_ValueError, "'cast_out' must have q's dtype (%s) or float32, got %s", in->view[Q].dtype_str,
+                     av->dtype_str);
         return -1;
     }
     if ((int64_t)p->n * (p->block_table ? p->block_size : 1) > INT32_MAX) {
@@ -213,6 +254,95 @@ static void fill_attention(const gvr_intake *in, gvr_attention_params *p)
         p->part_lse_stride_b = pl->strides[0];
         p->part_lse_stride_h = pl->strides[1];
     }
+    const gvr_view *x = &in->view[EXC], *c = &in->view[CNT], *a = &in->view[CAST];
+    if (x->data) {
+        p->exclude = (const int32_t *)x->data;
+        p->exc_stride_b = x->strides[0];
+        p->exc_stride_h = x->strides[1];
+        p->Hx = (int32_t)x->shape[1];
+        p->nx = (int32_t)x->shape[2];
+    }
+    if (c->data) {
+        p->counts = (int64_t *)c->data;
+        p->ncounts = (int32_t)c->shape[0];
+    }
+    if (a->data) {
+        p->cast_out = a->data;
+        p->cast_dtype = gvr_elem_of(a->dtype);
+        p->cast_stride_b = a->strides[0];
+        p->cast_stride_h = a->strides[1];
+    }
+}
+
+static int cpu_missed_fn(const void *p) { return prr_missed_cpu((const gvr_missed_params *)p); }
+
+/* The CPU form of prr.repair's extras around the attention: the excluded entries removed first (the
+ * entries of gvr_prr_missed, into a scratch index array, with the counts), the result converted after. */
+static int cpu_repair_prepare(gvr_attention_params *p, int32_t **scratch)
+{
+    *scratch = NULL;
+    if (!p->exclude && !p->counts)
+        return 0;
+    int64_t c4[4] = {0, 0, 0, 0};
+    if (p->exclude) {
+        const size_t cnt = (size_t)p->B * (size_t)p->Hsel * (size_t)(p->n ? p->n : 1);
+        int32_t *m = malloc(cnt * sizeof *m);
+        if (!m) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        gvr_missed_params mp;
+        memset(&mp, 0, sizeof mp);
+        mp.B = p->B;
+        mp.H = p->Hsel;
+        mp.n_sel = p->n;
+        mp.Hp = p->Hx;
+        mp.n_pred = p->nx;
+        mp.selected = p->indices;
+        mp.sel_stride_b = p->idx_stride_b;
+        mp.sel_stride_h = p->idx_stride_h;
+        mp.predicted = p->exclude;
+        mp.pred_stride_b = p->exc_stride_b;
+        mp.pred_stride_h = p->Hx == 1 ? 0 : p->exc_stride_h;
+        mp.out = m;
+        mp.out_stride_b = (int64_t)p->Hsel * p->n;
+        mp.out_stride_h = p->n;
+        mp.counts = c4;
+        if (gvr_run_on_host(cpu_missed_fn, &mp) < 0) {
+            free(m);
+            return -1;
+        }
+        p->indices = m;
+        p->idx_stride_b = mp.out_stride_b;
+        p->idx_stride_h = mp.out_stride_h;
+        *scratch = m;
+    } else {
+        for (int64_t b = 0; b < p->B; b++)
+            for (int64_t s = 0; s < p->Hsel; s++)
+                for (int64_t e = 0; e < p->n; e++)
+                    c4[1] += p->indices[b * p->idx_stride_b + s * p->idx_stride_h + e] >= 0;
+    }
+    for (int i = 0; i < p->ncounts; i++)
+        p->counts[i] += c4[i & 1];
+    return 0;
+}
+
+static void cpu_repair_cast(const gvr_attention_params *p)
+{
+    if (!p->cast_out)
+        return;
+    for (int64_t b = 0; b < p->B; b++)
+        for (int64_t h = 0; h < p->Hq; h++) {
+            const float *src = (const float *)p->out + b * p->out_stride_b + h * p->out_stride_h;
+            const int64_t off = b * p->cast_stride_b + h * p->cast_stride_h;
+            if (p->cast_dtype == GVR_ELEM_F32) {
+                memcpy((float *)p->cast_out + off, src, (size_t)p->D * sizeof(float));
+            } else {
+                uint16_t *dst = (uint16_t *)p->cast_out + off;
+                for (int64_t d = 0; d < p->D; d++)
+                    dst[d] = p->cast_dtype == GVR_ELEM_BF16 ? gvr_f32_to_bf16(src[d]) : gvr_f32_to_f16(src[d]);
+            }
+        }
 }
 
 static int cpu_attention(const void *p) { return sparse_attention_cpu((const gvr_attention_params *)p); }
@@ -227,18 +357,19 @@ PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds
     (void)self;
     static char *kwlist[] = {"q", "k_cache", "v_cache", "indices", "block_table", "lengths", "block_size", "scale",
                              "out", "lse", "part_out", "part_lse", "accumulate", "workspace", "stream", "nosync",
-                             NULL};
+                             "exclude", "counts", "cast_out", NULL};
     PyObject *obj[ATT_NARGS] = {NULL};
     PyObject *o_bs = NULL, *o_scale = Py_None, *o_acc = Py_False, *o_stream = Py_None, *o_nosync = NULL;
     PyObject *result = NULL;
-    int32_t *len_copy = NULL;
+    int32_t *len_copy = NULL, *scratch = NULL;
     for (int i = 0; i < ATT_NARGS; i++)
         obj[i] = Py_None;
     gvr_intake in;
     gvr_intake_init(&in);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|OOOOOOOOOOOO:sparse_attention", kwlist, &obj[Q], &obj[KC],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|OOOOOOOOOOOOOOO:sparse_attention", kwlist, &obj[Q], &obj[KC],
                                      &obj[VC], &obj[IDX], &obj[BT], &obj[LEN], &o_bs, &o_scale, &obj[OUT], &obj[LSE],
-                                     &obj[POUT], &obj[PLSE], &o_acc, &obj[WS], &o_stream, &o_nosync))
+                                     &obj[POUT], &obj[PLSE], &o_acc, &obj[WS], &o_stream, &o_nosync, &obj[EXC],
+                                     &obj[CNT], &obj[CAST]))
         return NULL;
     unsigned nosync;
     intptr_t stream;
@@ -292,12 +423,14 @@ PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds
                 goto fail;
             p.lengths = len_copy;
         }
-        if (gvr_run_on_host(cpu_attention, &p) < 0)
+        if (cpu_repair_prepare(&p, &scratch) < 0 || gvr_run_on_host(cpu_attention, &p) < 0)
             goto fail;
+        cpu_repair_cast(&p);
     }
     result = Py_BuildValue("(OO)", obj[OUT], obj[LSE]);
 fail:
     free(len_copy);
+    free(scratch);
     gvr_intake_release(&in);
     return result;
 }

@@ -43,7 +43,7 @@
 #define GVR_UNIT_LAST 8u            /* unit stride along the last dimension */
 #define GVR_CONTIGUOUS_ON_DEVICE 16u /* C-contiguous when on a CUDA device */
 
-#define GVR_INTAKE_MAX_ARGS 12
+#define GVR_INTAKE_MAX_ARGS 16
 #define GVR_INTAKE_MAX_DIMS 24
 
 typedef struct {

@@ -54,6 +54,50 @@ static int dims_fit(const gvr_intake *in, const char *op)
     return 0;
 }
 
+/* an int argument in [0, INT32_MAX] (None or left out: dflt) */
+static int parse_i32(PyObject *o, const char *name, int32_t dflt, int32_t *v)
+{
+    if (!o || o == Py_None) {
+        *v = dflt;
+        return 0;
+    }
+    Py_ssize_t x;
+    if (gvr_parse_int(o, name, &x) < 0)
+        return -1;
+    if (x > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "'%s' must fit in int32, got %zd", name, x);
+        return -1;
+    }
+    *v = (int32_t)x;
+    return 0;
+}
+
+/* Host nblocks [B] copied into dst, each row's block count checked against [0, cap] (what names cap):
+ * block_size <= 1, the values themselves (gvr_read_host_counts); block_size G > 1, token counts: each
+ * >= 0 and its block count ceil(n / G) <= cap (dst keeps the token counts: the CPU path derives nb). */
+static int read_host_blocks(const gvr_view *v, int32_t G, const char *what, int64_t B, int64_t cap, int32_t *dst)
+{
+    if (G <= 1)
+        return gvr_read_host_counts(v, "nblocks", what, B, cap, dst);
+    for (int64_t b = 0; b < B; b++) {
+        const int32_t x = ((const int32_t *)v->data)[b * v->strides[0]];
+        if (x < 0) {
+            PyErr_Format(PyExc_ValueError, "'nblocks' holds token counts (block_size = %d): each must be >= 0, got "
+                         "nblocks[%lld] = %d", (int)G, (long long)b, x);
+            return -1;
+        }
+        const int64_t nb = ((int64_t)x + G - 1) / G;
+        if (nb > cap) {
+            PyErr_Format(PyExc_ValueError, "'nblocks' holds token counts (block_size = %d): the block counts "
+                         "ceil(nblocks / block_size) must lie in [0, %s] = [0, %lld], got nblocks[%lld] = %d tokens = "
+                         "%lld blocks", (int)G, what, (long long)cap, (long long)b, x, (long long)nb);
+            return -1;
+        }
+        dst[b] = x;
+    }
+    return 0;
+}
+
 /* the predictor's state (level, trend, known) into p */
 static void fill_state(gvr_ema_params *p, const gvr_view *l, const gvr_view *t, const gvr_view *k)
 {
@@ -111,29 +155,36 @@ static const gvr_arg_spec predict_args[PRED_NARGS] = {
 static const gvr_spec predict_spec = {"prr.EMAPredictor.predict", PRED_NARGS, predict_args};
 
 const char gvr_ema_predict_doc[] =
-    "prr_ema_predict(level, trend, known, nblocks, pred, row_len, phi, stream, nosync)\n--\n\n"
+    "prr_ema_predict(level, trend, known, nblocks, pred, row_len, phi, stream, nosync, block_size=1,\n"
+    "                keep_first=0, keep_last=0)\n--\n\n"
     "The EMA predictor's predicted block scores into pred [B, H, W] and the rows' lengths into row_len\n"
-    "(the Top-K of each row is the prediction). See gvr.prr.EMAPredictor.";
+    "(the Top-K of each row is the prediction). block_size > 1: nblocks holds token counts (a row has\n"
+    "ceil(nblocks[b] / block_size) blocks); the first keep_first and the last keep_last blocks of each\n"
+    "row are predicted +inf. See gvr.prr.EMAPredictor.";
 
 PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
-    static char *kwlist[] = {"level", "trend", "known", "nblocks", "pred", "row_len", "phi", "stream", "nosync", NULL};
+    static char *kwlist[] = {"level", "trend", "known", "nblocks", "pred", "row_len", "phi", "stream", "nosync",
+                             "block_size", "keep_first", "keep_last", NULL};
     PyObject *obj[PRED_NARGS] = {NULL};
     PyObject *o_phi = NULL, *o_stream = Py_None, *o_nosync = NULL, *result = NULL;
+    PyObject *o_bs = NULL, *o_kf = NULL, *o_kl = NULL;
     int32_t *nb_copy = NULL;
     gvr_intake in;
     gvr_intake_init(&in);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|OO:prr_ema_predict", kwlist, &obj[PL], &obj[PT], &obj[PK],
-                                     &obj[PNB], &obj[PPRED], &obj[PLEN], &o_phi, &o_stream, &o_nosync))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|OO$OOO:prr_ema_predict", kwlist, &obj[PL], &obj[PT],
+                                     &obj[PK], &obj[PNB], &obj[PPRED], &obj[PLEN], &o_phi, &o_stream, &o_nosync,
+                                     &o_bs, &o_kf, &o_kl))
         return NULL;
     unsigned nosync;
     intptr_t stream;
     gvr_ema_params p;
     memset(&p, 0, sizeof p);
     if (gvr_parse_nosync(o_nosync, PRED_NARGS, &nosync) < 0 || gvr_parse_stream(o_stream, &stream) < 0 ||
-        parse_unit(o_phi, "phi", 0, &p.phi) < 0 || gvr_intake_run(&in, &predict_spec, obj, stream, nosync) < 0 ||
-        dims_fit(&in, "prr.EMAPredictor.predict") < 0)
+        parse_unit(o_phi, "phi", 0, &p.phi) < 0 || parse_i32(o_bs, "block_size", 1, &p.block_size) < 0 ||
+        parse_i32(o_kf, "keep_first", 0, &p.keep_first) < 0 || parse_i32(o_kl, "keep_last", 0, &p.keep_last) < 0 ||
+        gvr_intake_run(&in, &predict_spec, obj, stream, nosync) < 0 || dims_fit(&in, "prr.EMAPredictor.predict") < 0)
         goto fail;
     const gvr_view *l = &in.view[PL], *t = &in.view[PT], *k = &in.view[PK], *nb = &in.view[PNB],
                    *pr = &in.view[PPRED], *rl = &in.view[PLEN];
@@ -154,7 +205,7 @@ PyObject *gvr_py_prr_ema_predict(PyObject *self, PyObject *args, PyObject *kwds)
             PyErr_NoMemory();
             goto fail;
         }
-        if (gvr_read_host_counts(nb, "nblocks", "the predictor's max_blocks", p.B, p.N, nb_copy) < 0)
+        if (read_host_blocks(nb, p.block_size, "the predictor's max_blocks", p.B, p.N, nb_copy) < 0)
             goto fail;
         p.nblocks = nb_copy;
         if (gvr_run_on_host(cpu_predict, &p) < 0)
@@ -171,7 +222,7 @@ fail:
  * prr_ema_update
  * ================================================================================================ */
 
-enum { UL, UT, UK, UNB, US, UPD_NARGS };
+enum { UL, UT, UK, UNB, US, UPRED, ULEN, UPD_NARGS };
 
 static const gvr_arg_spec update_args[UPD_NARGS] = {
     [UL] = {"level", F32, "B,H,N", ON_CALL, GVR_OUTPUT | GVR_UNIT_LAST, NULL, NULL},
@@ -179,26 +230,33 @@ static const gvr_arg_spec update_args[UPD_NARGS] = {
     [UK] = {"known", I32, "B,H", ON_CALL, GVR_OUTPUT, NULL, NULL},
     [UNB] = {"nblocks", I32, "B", ON_CALL, GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
     [US] = {"scores", F32, "B,H,Ns", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
+    /* the fused update + predict: the prediction after the update */
+    [UPRED] = {"pred", F32, "B,H,W", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT | GVR_UNIT_LAST, NULL, NULL},
+    [ULEN] = {"row_len", I32, "B,H", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT, NULL, NULL},
 };
 static const gvr_spec update_spec = {"prr.EMAPredictor.update", UPD_NARGS, update_args};
 
 const char gvr_ema_update_doc[] =
-    "prr_ema_update(level, trend, known, nblocks, scores, alpha, beta, phi, stream, nosync)\n--\n\n"
-    "The EMA predictor's state update with this step's block scores [B, H, Ns], in place.\n"
-    "See gvr.prr.EMAPredictor.";
+    "prr_ema_update(level, trend, known, nblocks, scores, alpha, beta, phi, stream, nosync, block_size=1,\n"
+    "               pred=None, row_len=None, keep_first=0, keep_last=0)\n--\n\n"
+    "The EMA predictor's state update with this step's block scores [B, H, Ns], in place. block_size > 1:\n"
+    "nblocks holds token counts. pred [B, H, W] / row_len [B, H] given: also the prediction after the\n"
+    "update (prr_ema_predict's, with keep_first / keep_last), in the same pass. See gvr.prr.EMAPredictor.";
 
 PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
     static char *kwlist[] = {"level", "trend", "known", "nblocks", "scores", "alpha", "beta", "phi", "stream",
-                             "nosync", NULL};
+                             "nosync", "block_size", "pred", "row_len", "keep_first", "keep_last", NULL};
     PyObject *obj[UPD_NARGS] = {NULL};
     PyObject *o_a = NULL, *o_b = NULL, *o_phi = NULL, *o_stream = Py_None, *o_nosync = NULL, *result = NULL;
+    PyObject *o_bs = NULL, *o_kf = NULL, *o_kl = NULL;
     int32_t *nb_copy = NULL;
     gvr_intake in;
     gvr_intake_init(&in);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|OO:prr_ema_update", kwlist, &obj[UL], &obj[UT], &obj[UK],
-                                     &obj[UNB], &obj[US], &o_a, &o_b, &o_phi, &o_stream, &o_nosync))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOO|OO$OOOOO:prr_ema_update", kwlist, &obj[UL], &obj[UT],
+                                     &obj[UK], &obj[UNB], &obj[US], &o_a, &o_b, &o_phi, &o_stream, &o_nosync, &o_bs,
+                                     &obj[UPRED], &obj[ULEN], &o_kf, &o_kl))
         return NULL;
     unsigned nosync;
     intptr_t stream;
@@ -206,8 +264,9 @@ PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds)
     memset(&p, 0, sizeof p);
     if (gvr_parse_nosync(o_nosync, UPD_NARGS, &nosync) < 0 || gvr_parse_stream(o_stream, &stream) < 0 ||
         parse_unit(o_a, "alpha", 1, &p.alpha) < 0 || parse_unit(o_b, "beta", 1, &p.beta) < 0 ||
-        parse_unit(o_phi, "phi", 0, &p.phi) < 0 || gvr_intake_run(&in, &update_spec, obj, stream, nosync) < 0 ||
-        dims_fit(&in, "prr.EMAPredictor.update") < 0)
+        parse_unit(o_phi, "phi", 0, &p.phi) < 0 || parse_i32(o_bs, "block_size", 1, &p.block_size) < 0 ||
+        parse_i32(o_kf, "keep_first", 0, &p.keep_first) < 0 || parse_i32(o_kl, "keep_last", 0, &p.keep_last) < 0 ||
+        gvr_intake_run(&in, &update_spec, obj, stream, nosync) < 0 || dims_fit(&in, "prr.EMAPredictor.update") < 0)
         goto fail;
     const gvr_view *l = &in.view[UL], *t = &in.view[UT], *k = &in.view[UK], *nb = &in.view[UNB], *s = &in.view[US];
     fill_state(&p, l, t, k);
@@ -215,6 +274,21 @@ PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds)
     p.scores_stride_b = s->strides[0];
     p.scores_stride_h = s->strides[1];
     p.Ns = (int32_t)s->shape[2];
+    if (in.given[UPRED]) {
+        const gvr_view *pr = &in.view[UPRED];
+        p.pred = (float *)pr->data;
+        p.pred_stride_b = pr->strides[0];
+        p.pred_stride_h = pr->strides[1];
+        p.W = (int32_t)pr->shape[2];
+        if (p.W == 0)
+            p.pred = NULL; /* nothing to write (an empty buffer's address may be anything) */
+    }
+    if (in.given[ULEN]) {
+        const gvr_view *rl = &in.view[ULEN];
+        p.row_len = (int32_t *)rl->data;
+        p.row_len_stride_b = rl->strides[0];
+        p.row_len_stride_h = rl->strides[1];
+    }
     if (in.device == GVR_DEV_CUDA) {
         p.nblocks = (const int32_t *)nb->data;
         if (gvr_run_on_device(&in, cuda_update, &p, NULL, 0, stream, "gvr_prr_ema_update") < 0)
@@ -225,8 +299,8 @@ PyObject *gvr_py_prr_ema_update(PyObject *self, PyObject *args, PyObject *kwds)
             goto fail;
         }
         const int limit_scores = p.Ns < p.N;
-        if (gvr_read_host_counts(nb, "nblocks", limit_scores ? "the width of 'scores'" : "the predictor's max_blocks",
-                                 p.B, limit_scores ? p.Ns : p.N, nb_copy) < 0)
+        if (read_host_blocks(nb, p.block_size, limit_scores ? "the width of 'scores'" : "the predictor's max_blocks",
+                             p.B, limit_scores ? p.Ns : p.N, nb_copy) < 0)
             goto fail;
         p.nblocks = nb_copy;
         if (gvr_run_on_host(cpu_update, &p) < 0)

@@ -1,6 +1,7 @@
 /* PRR's selection stage: the specs, CPU calls and CUDA calls of Quest's block metadata (build and
  * in-place update) and block scores. Semantics: kernels/gvr_kernels.h, section "PRR selection stage".
- * select_blocks is block_scores (with counts) followed by topk_decode, composed in gvr/_prr_select.py. */
+ * select_blocks is block_scores (with counts, and with scores_out: the scores before the keep ranges
+ * from the same pass) followed by topk_decode, composed in gvr/_prr_select.py. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -208,7 +209,7 @@ fail:
  * block scores
  * ================================================================================================ */
 
-enum { SQ, SMETA, SLEN, SOUT, SCNT, SCORES_NARGS };
+enum { SQ, SMETA, SLEN, SOUT, SCNT, SRAW, SCORES_NARGS };
 
 static const gvr_arg_spec scores_args[SCORES_NARGS] = {
     [SQ] = {"q", FLOATS, "B,Hq,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
@@ -216,14 +217,17 @@ static const gvr_arg_spec scores_args[SCORES_NARGS] = {
     [SLEN] = {"lengths", I32, "B", ON_CALL, GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
     [SOUT] = {"out", F32, "B,Hkv,Nb", ON_CALL, GVR_OUTPUT | GVR_ALLOC | GVR_UNIT_LAST, NULL, NULL},
     [SCNT] = {"counts", I32, "B,Hkv", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT, NULL, NULL},
+    [SRAW] = {"scores_out", F32, "B,Hkv,Nb", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT | GVR_UNIT_LAST, NULL, NULL},
 };
 static const gvr_spec scores_spec = {"prr.block_scores", SCORES_NARGS, scores_args};
 
 const char gvr_block_scores_doc[] =
     "block_scores(q, meta, lengths, out, counts, block_size, group_reduce, keep_first, keep_last, stream,\n"
-    "             nosync)\n--\n\n"
+    "             nosync, scores_out)\n--\n\n"
     "Quest block scores (upper bounds of q.k per block) into out float32 [B, Hkv, Nb]; counts int32\n"
-    "[B, Hkv] (optional): the valid blocks of each row. See gvr.prr.block_scores.";
+    "[B, Hkv] (optional): the valid blocks of each row; scores_out float32 [B, Hkv, Nb] (optional): the\n"
+    "same scores before keep_first / keep_last, from the same pass. See gvr.prr.block_scores and\n"
+    "gvr.prr.select_blocks.";
 
 static int cpu_scores(const void *p) { return prr_block_scores_cpu((const gvr_block_scores_params *)p); }
 
@@ -269,16 +273,16 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
     static char *kwlist[] = {"q", "meta", "lengths", "out", "counts", "block_size", "group_reduce", "keep_first",
-                             "keep_last", "stream", "nosync", NULL};
-    PyObject *obj[SCORES_NARGS] = {Py_None, Py_None, Py_None, Py_None, Py_None};
+                             "keep_last", "stream", "nosync", "scores_out", NULL};
+    PyObject *obj[SCORES_NARGS] = {Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
     PyObject *o_bs = NULL, *o_red = NULL, *o_kf = NULL, *o_kl = NULL, *o_stream = Py_None, *o_nosync = NULL;
     PyObject *result = NULL;
     int32_t *copy = NULL;
     gvr_intake in;
     gvr_intake_init(&in);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOO:block_scores", kwlist, &obj[SQ], &obj[SMETA],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOOO:block_scores", kwlist, &obj[SQ], &obj[SMETA],
                                      &obj[SLEN], &obj[SOUT], &obj[SCNT], &o_bs, &o_red, &o_kf, &o_kl, &o_stream,
-                                     &o_nosync))
+                                     &o_nosync, &obj[SRAW]))
         return NULL;
     unsigned nosync;
     intptr_t stream;
@@ -290,7 +294,7 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
     if (gvr_intake_run(&in, &scores_spec, obj, stream, nosync) < 0)
         goto fail;
     const gvr_view *q = &in.view[SQ], *m = &in.view[SMETA], *ln = &in.view[SLEN], *o = &in.view[SOUT],
-                   *cn = &in.view[SCNT];
+                   *cn = &in.view[SCNT], *raw = &in.view[SRAW];
     const int64_t B = q->shape[0], Hq = q->shape[1], D = q->shape[2], Hkv = m->shape[1], Nb = m->shape[2];
     if (B > INT32_MAX || Hq > INT32_MAX || D > INT32_MAX || Hkv > INT32_MAX || Nb > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "prr.block_scores: B, Hq, Hkv, D and Nb must fit in int32");
@@ -333,6 +337,11 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
         p.counts = (int32_t *)cn->data;
         p.counts_stride_b = cn->strides[0];
         p.counts_stride_h = cn->strides[1];
+    }
+    if (raw->data) {
+        p.raw_scores = (float *)raw->data;
+        p.raw_stride_b = raw->strides[0];
+        p.raw_stride_h = raw->strides[1];
     }
     const int64_t cap = Nb * (int64_t)G;
     if (in.device == GVR_DEV_CUDA) {

@@ -7,9 +7,11 @@ The predictor is Holt's damped-trend exponential smoothing of each block's impor
 
 - **predict** (before this step's selection): ``pred[j] = L + phi*T`` for the blocks that have
   state; ``+inf`` for blocks ``known <= j < nblocks[b]`` (new since the last update, no score yet: the
-  most recent block is always predicted); blocks ``j >= nblocks[b]`` do not exist. The predicted
-  selection is the Top-K of ``pred`` (``gvr.topk_decode``'s order: ties to the lower index), int32
-  ``[B, Hkv, K]``, -1 padded when a row has fewer than K blocks.
+  most recent block is always predicted); blocks ``j >= nblocks[b]`` do not exist. Optionally the
+  blocks a selection always keeps are always predicted: ``+inf`` for ``j < keep_first`` and for
+  ``j >= nblocks[b] - keep_last`` (``j < nblocks[b]``). The predicted selection is the Top-K of
+  ``pred`` (``gvr.topk_decode``'s order: ties to the lower index), int32 ``[B, Hkv, K]``, -1 padded
+  when a row has fewer than K blocks.
 - **update** (after the selection, with this step's true scores ``s``): for a block with state,
   ``f = L + phi*T``, ``L' = alpha*s + (1 - alpha)*f``, ``T' = beta*(L' - L) + (1 - beta)*phi*T``; a new
   block starts at ``L = s``, ``T = 0``; then ``known = nblocks[b]``.
@@ -17,6 +19,10 @@ The predictor is Holt's damped-trend exponential smoothing of each block's impor
   block whose first score is unobserved gets ``L = -inf`` (predicted ``-inf``: ranked last, as the
   selection ranks it) until its first observed score, which starts it as a new block (``L = s``,
   ``T = 0``). ``+inf`` follows IEEE arithmetic.
+- **block counts**: ``nblocks[b]`` is the row's block count, or with ``block_size = G > 1`` its token
+  count (e.g. the sequence lengths), the block count then being ``ceil(nblocks[b] / G)``.
+- **update_predict**: the update, then the prediction of the updated state, in one pass over the state
+  (one C call / one CUDA kernel) and one ``topk_decode``: the same bits as ``update`` then ``predict``.
 
 Every float32 expression rounds after each operation in one fixed order (kernels/gvr_kernels.h):
 ``t = phi*T; f = L + t; L' = alpha*s + (1 - alpha)*f; T' = beta*(L' - L) + (1 - beta)*t`` with
@@ -61,6 +67,19 @@ def _check_int(name, v, lo=1):
     return int(v)
 
 
+def _check_i32(name, v, lo):
+    """an int in [lo, 2^31 - 1] (the kernels' int32)"""
+    v = _check_int(name, v, lo)
+    if v > 2**31 - 1:
+        raise ValueError(f"'{name}' must be < 2^31, got {v}")
+    return v
+
+
+def _check_counts(block_size, keep_first=0, keep_last=0):
+    return _check_i32("block_size", block_size, 1), _check_i32("keep_first", keep_first, 0), \
+        _check_i32("keep_last", keep_last, 0)
+
+
 def _check_param(name, v, open_):
     if isinstance(v, bool) or not isinstance(v, Real):
         raise TypeError(f"'{name}' must be a float, got {type(v).__name__}")
@@ -81,15 +100,24 @@ def _is_torch(x):
 # --------------------------------------------------------------------------------------------------
 # torch.library ops (traced code only; eager calls go to gvr._C directly)
 # --------------------------------------------------------------------------------------------------
-def _scores_impl(level, trend, known, nblocks, pred, row_len, phi):
+def _scores_impl(level, trend, known, nblocks, pred, row_len, phi, block_size=1, keep_first=0, keep_last=0):
     (l, t, k, n, p, r), stream, nosync = prepare(framework(level), level, (level, trend, known, nblocks, pred,
                                                                            row_len), None)
-    _C.prr_ema_predict(l, t, k, n, p, r, phi, stream, nosync)
+    _C.prr_ema_predict(l, t, k, n, p, r, phi, stream, nosync, block_size=block_size, keep_first=keep_first,
+                       keep_last=keep_last)
 
 
-def _update_impl(level, trend, known, nblocks, scores, alpha, beta, phi):
+def _update_impl(level, trend, known, nblocks, scores, alpha, beta, phi, block_size=1):
     (l, t, k, n, s), stream, nosync = prepare(framework(level), level, (level, trend, known, nblocks, scores), None)
-    _C.prr_ema_update(l, t, k, n, s, alpha, beta, phi, stream, nosync)
+    _C.prr_ema_update(l, t, k, n, s, alpha, beta, phi, stream, nosync, block_size=block_size)
+
+
+def _update_predict_impl(level, trend, known, nblocks, scores, pred, row_len, alpha, beta, phi, block_size=1,
+                         keep_first=0, keep_last=0):
+    (l, t, k, n, s, p, r), stream, nosync = prepare(framework(level), level, (level, trend, known, nblocks, scores,
+                                                                              pred, row_len), None)
+    _C.prr_ema_update(l, t, k, n, s, alpha, beta, phi, stream, nosync, block_size=block_size, pred=p, row_len=r,
+                      keep_first=keep_first, keep_last=keep_last)
 
 
 def _none(*args):
@@ -98,13 +126,20 @@ def _none(*args):
 
 _scores_op = define_op(
     "prr_ema_scores",
-    "(Tensor level, Tensor trend, Tensor known, Tensor nblocks, Tensor(a!) pred, Tensor(b!) row_len, float phi) -> ()",
+    "(Tensor level, Tensor trend, Tensor known, Tensor nblocks, Tensor(a!) pred, Tensor(b!) row_len, float phi, "
+    "int block_size=1, int keep_first=0, int keep_last=0) -> ()",
     impl=_scores_impl, fake=_none, mutates_args=("pred", "row_len"))
 _update_op = define_op(
     "prr_ema_update",
     "(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) known, Tensor nblocks, Tensor scores, float alpha, float beta, "
-    "float phi) -> ()",
+    "float phi, int block_size=1) -> ()",
     impl=_update_impl, fake=_none, mutates_args=("level", "trend", "known"))
+_update_predict_op = define_op(
+    "prr_ema_update_predict",
+    "(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) known, Tensor nblocks, Tensor scores, Tensor(d!) pred, "
+    "Tensor(e!) row_len, float alpha, float beta, float phi, int block_size=1, int keep_first=0, int keep_last=0) "
+    "-> ()",
+    impl=_update_predict_impl, fake=_none, mutates_args=("level", "trend", "known", "pred", "row_len"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,24 +158,35 @@ class EMAPredictor:
         ...  # attend predicted blocks while the selection runs; selected = Top-K of `scores`
         predictor.update(scores, nblocks)                # float32 [B, Hkv, Nb] block scores
 
+    or, predicting the next step right after the update (one pass over the state, one Top-K)::
+
+        predictor.update_predict(scores, lengths, k, out, block_size=G, keep_first=1, keep_last=2)
+
     Semantics (module docstring of gvr._prr_ema, kernels/gvr_kernels.h):
 
     - ``predict``: ``level + phi*trend`` for blocks with state, ``+inf`` for blocks new since the
-      last update (always predicted), nothing for ``j >= nblocks[b]``; Top-K per (b, h) as
-      ``gvr.topk_decode`` (ties to the lower index, -1 padding). One C call / kernel for the
-      predicted scores, then one ``topk_decode`` over the ``B * Hkv`` rows — no Python loop.
+      last update (always predicted) and for the ``keep_first`` first and ``keep_last`` last blocks
+      of the row (the blocks a selection always keeps; 0 by default), nothing for ``j >= nb``; Top-K
+      per (b, h) as ``gvr.topk_decode`` (ties to the lower index, -1 padding). One C call / kernel
+      for the predicted scores, then one ``topk_decode`` over the ``B * Hkv`` rows — no Python loop.
     - ``update``: Holt's damped trend, ``f = L + phi*T; L' = alpha*s + (1-alpha)*f;
       T' = beta*(L'-L) + (1-beta)*phi*T``; new blocks start at ``L = s, T = 0``; a ``-inf`` or NaN
       score leaves the block unchanged (a new block's first unobserved score gives ``L = -inf``:
-      predicted last until observed); then ``known = nblocks[b]``.
+      predicted last until observed); then ``known = nb``.
+    - ``update_predict``: ``update`` then ``predict`` (the same arguments, the same bits) with one
+      C call / one kernel for both (each row's update and prediction in one pass) and one
+      ``topk_decode``.
     - ``reset(rows)``: forget rows (a new sequence in those batch slots): ``known = 0``.
 
-    nblocks: int32 ``[B]`` (NumPy / torch CPU on "cpu", where each must lie in [0, max_blocks]; a
-    CUDA tensor on a CUDA device, where values are clamped to that range — no host read).
-    Graph-safe on CUDA: ``predict(..., out=)`` and ``update`` allocate nothing and read nothing back,
-    and their buffers keep their addresses, so a decode step can be captured in a CUDA graph and
-    replayed (alpha, beta, phi are captured as values: ``set_params`` after a capture does not change
-    the graph). ``calibrate(prefill_scores, k)`` gives hyper-parameters for ``set_params``.
+    nblocks: int32 ``[B]`` (NumPy / torch CPU on "cpu", where each row's block count must lie in
+    [0, max_blocks]; a CUDA tensor on a CUDA device, where block counts are clamped to that range —
+    no host read). block_size (int >= 1, default 1): 1, ``nblocks`` are block counts ``nb``; G > 1,
+    they are token counts (e.g. sequence lengths) and ``nb = ceil(nblocks[b] / G)`` (negative
+    token counts: 0 on CUDA, a ValueError on the CPU).
+    Graph-safe on CUDA: ``predict(..., out=)``, ``update`` and ``update_predict`` allocate nothing and
+    read nothing back, and their buffers keep their addresses, so a decode step can be captured in a
+    CUDA graph and replayed (alpha, beta, phi are captured as values: ``set_params`` after a capture
+    does not change the graph). ``calibrate(prefill_scores, k)`` gives hyper-parameters for ``set_params``.
     """
 
     def __init__(self, max_batch: int, Hkv: int, max_blocks: int, *, alpha: float = 0.5, beta: float = 0.5,
@@ -231,49 +277,32 @@ class EMAPredictor:
                 return "torch", a
         return "numpy", lv
 
-    # -- the step ---------------------------------------------------------------------------------
-    def predicted_scores(self, nblocks, *, stream=None):
-        """The predicted scores and row lengths -> (pred float32 [B, Hkv, max_blocks], row_len int32
-        [B, Hkv]): views of the predictor's buffers (overwritten by the next call). ``predict`` is the
-        Top-K of ``pred[b, h, :row_len[b, h]]``."""
-        nblocks, B = self._nblocks(nblocks)
-        lv, tr, kn, pr, rl = self.level[:B], self.trend[:B], self.known[:B], self._pred[:B], self._row_len[:B]
-        if compiling():
-            if stream is not None:
-                raise ValueError("'stream' is not supported under torch.compile: use `with torch.cuda.stream(s):`")
-            _scores_op.call(lv, tr, kn, nblocks, pr, rl, self.phi)
-            return pr, rl
-        fw, like = self._framework(lv, nblocks)
-        (l, t, k, n, p, r), stream, nosync = prepare(fw, like, (lv, tr, kn, nblocks, pr, rl), stream)
-        _C.prr_ema_predict(l, t, k, n, p, r, self.phi, stream, nosync)
-        return pr, rl
-
-    def predict(self, num_blocks: int, nblocks, out=None, *, stream=None):
-        """The predicted selection -> int32 ``[B, Hkv, num_blocks]`` (B = ``nblocks.shape[0]``).
-
-        Per (b, h): the Top-K (``gvr.topk_decode``'s order, ties to the lower index) of the predicted
-        scores of the row's ``nblocks[b]`` blocks — ``level + phi*trend``, ``+inf`` for blocks new
-        since the last update — then -1 padding. out: a C-contiguous int32 ``[B, Hkv, num_blocks]``
-        to write into (required for allocation-free, graph-safe calls); allocated otherwise (NumPy, or
-        torch in nblocks' framework and device)."""
-        k = _check_int("num_blocks", num_blocks, lo=0)
-        nblocks, B = self._nblocks(nblocks)
+    def _check_out(self, out, B, k):
+        """out: int32 [B, Hkv, k], C-contiguous, on this predictor's device."""
         H = self.Hkv
-        if out is None:
-            if _is_torch(nblocks):
-                out = sys.modules["torch"].empty((B, H, k), dtype=sys.modules["torch"].int32, device=nblocks.device)
-            else:
-                out = np.empty((B, H, k), np.int32)
-        else:
-            shape = tuple(int(d) for d in getattr(out, "shape", ()))
-            if shape != (B, H, k):
-                raise ValueError(f"'out' must have shape [B, Hkv, num_blocks] = [{B}, {H}, {k}], got {list(shape)}")
-            contiguous = out.is_contiguous() if _is_torch(out) else bool(getattr(out, "flags", None) is not None
-                                                                           and out.flags.c_contiguous)
-            if not contiguous:
-                raise ValueError("'out' must be C-contiguous (its rows are written as one [B*Hkv, num_blocks] block)")
-        pred, row_len = self.predicted_scores(nblocks, stream=stream)
-        rows = B * H
+        shape = getattr(out, "shape", None)
+        if shape is None:
+            raise TypeError(f"'out' must be an int32 array [B, Hkv, num_blocks], got {type(out).__name__}")
+        shape = tuple(int(d) for d in shape)
+        if shape != (B, H, k):
+            raise ValueError(f"'out' must have shape [B, Hkv, num_blocks] = [{B}, {H}, {k}], got {list(shape)}")
+        if str(out.dtype).replace("torch.", "") != "int32":
+            raise TypeError(f"'out' must be int32, got {out.dtype}")
+        contiguous = out.is_contiguous() if _is_torch(out) else bool(getattr(out, "flags", None) is not None
+                                                                       and out.flags.c_contiguous)
+        if not contiguous:
+            raise ValueError("'out' must be C-contiguous (its rows are written as one [B*Hkv, num_blocks] block)")
+        on_cuda = _is_torch(out) and out.is_cuda
+        if self.device == "cpu":
+            if on_cuda:
+                raise ValueError("'out' must be on the CPU for a CPU predictor, got a CUDA tensor")
+        elif not on_cuda or out.device != self.device:
+            raise ValueError(f"'out' must be an int32 CUDA tensor on {self.device} for a CUDA predictor, got "
+                             + (f"one on {out.device}" if _is_torch(out) else type(out).__name__))
+
+    def _topk(self, pred, row_len, k, out, B, stream):
+        """the Top-k of pred[b, h, :row_len[b, h]] into out, one topk_decode over the B * Hkv rows"""
+        rows = B * self.Hkv
         if _is_torch(pred):
             p2, r1 = pred.view(rows, self.max_blocks), row_len.view(rows)
         else:
@@ -282,19 +311,95 @@ class EMAPredictor:
         topk_decode(p2, k, lengths=r1, out=o2, stream=stream)
         return out
 
-    def update(self, scores, nblocks, *, stream=None) -> None:
-        """Fold this step's block scores float32 ``[B, Hkv, Nb]`` (unit stride along Nb; Nb >= every
-        ``nblocks[b]``) into the state, in place (see the class docstring)."""
+    # -- the step ---------------------------------------------------------------------------------
+    def predicted_scores(self, nblocks, *, block_size=1, keep_first=0, keep_last=0, stream=None):
+        """The predicted scores and row lengths -> (pred float32 [B, Hkv, max_blocks], row_len int32
+        [B, Hkv]): views of the predictor's buffers (overwritten by the next call). ``predict`` is the
+        Top-K of ``pred[b, h, :row_len[b, h]]``. block_size (>= 1): > 1, nblocks holds token counts;
+        keep_first, keep_last (>= 0): the first / last blocks of each row predicted ``+inf``."""
+        G, kf, kl = _check_counts(block_size, keep_first, keep_last)
+        nblocks, B = self._nblocks(nblocks)
+        lv, tr, kn, pr, rl = self.level[:B], self.trend[:B], self.known[:B], self._pred[:B], self._row_len[:B]
+        if compiling():
+            if stream is not None:
+                raise ValueError("'stream' is not supported under torch.compile: use `with torch.cuda.stream(s):`")
+            _scores_op.call(lv, tr, kn, nblocks, pr, rl, self.phi, G, kf, kl)
+            return pr, rl
+        fw, like = self._framework(lv, nblocks)
+        (l, t, k, n, p, r), stream, nosync = prepare(fw, like, (lv, tr, kn, nblocks, pr, rl), stream)
+        _C.prr_ema_predict(l, t, k, n, p, r, self.phi, stream, nosync, block_size=G, keep_first=kf, keep_last=kl)
+        return pr, rl
+
+    def predict(self, num_blocks: int, nblocks, out=None, *, block_size=1, keep_first=0, keep_last=0, stream=None):
+        """The predicted selection -> int32 ``[B, Hkv, num_blocks]`` (B = ``nblocks.shape[0]``).
+
+        Per (b, h): the Top-K (``gvr.topk_decode``'s order, ties to the lower index) of the predicted
+        scores of the row's nb blocks — ``level + phi*trend``, ``+inf`` for blocks new since the last
+        update and for the ``keep_first`` first and ``keep_last`` last blocks (>= 0, default 0) —
+        then -1 padding. nb = ``nblocks[b]``, or ``ceil(nblocks[b] / block_size)`` when block_size > 1
+        (nblocks then holds token counts). out: a C-contiguous int32 ``[B, Hkv, num_blocks]`` to write
+        into (required for allocation-free, graph-safe calls); allocated otherwise (NumPy, or torch in
+        nblocks' framework and device)."""
+        k = _check_int("num_blocks", num_blocks, lo=0)
+        _check_counts(block_size, keep_first, keep_last)
+        nblocks, B = self._nblocks(nblocks)
+        H = self.Hkv
+        if out is None:
+            if _is_torch(nblocks):
+                out = sys.modules["torch"].empty((B, H, k), dtype=sys.modules["torch"].int32, device=nblocks.device)
+            else:
+                out = np.empty((B, H, k), np.int32)
+        else:
+            self._check_out(out, B, k)
+        pred, row_len = self.predicted_scores(nblocks, block_size=block_size, keep_first=keep_first,
+                                              keep_last=keep_last, stream=stream)
+        return self._topk(pred, row_len, k, out, B, stream)
+
+    def update(self, scores, nblocks, *, block_size=1, stream=None) -> None:
+        """Fold this step's block scores float32 ``[B, Hkv, Nb]`` (unit stride along Nb; on the CPU
+        Nb >= every row's block count nb, on CUDA a row's blocks from Nb on are left out: ``known =
+        min(nb, Nb)``) into the state, in place (see the class docstring). block_size (>= 1): > 1,
+        nblocks holds token counts (nb = ceil(nblocks[b] / block_size))."""
+        G = _check_i32("block_size", block_size, 1)
         nblocks, B = self._nblocks(nblocks)
         lv, tr, kn = self.level[:B], self.trend[:B], self.known[:B]
         if compiling():
             if stream is not None:
                 raise ValueError("'stream' is not supported under torch.compile: use `with torch.cuda.stream(s):`")
-            _update_op.call(lv, tr, kn, nblocks, scores, self.alpha, self.beta, self.phi)
+            _update_op.call(lv, tr, kn, nblocks, scores, self.alpha, self.beta, self.phi, G)
             return
         fw, like = self._framework(lv, nblocks, scores)
         (l, t, k, n, s), stream, nosync = prepare(fw, like, (lv, tr, kn, nblocks, scores), stream)
-        _C.prr_ema_update(l, t, k, n, s, self.alpha, self.beta, self.phi, stream, nosync)
+        _C.prr_ema_update(l, t, k, n, s, self.alpha, self.beta, self.phi, stream, nosync, block_size=G)
+
+    def update_predict(self, scores, nblocks, num_blocks: int, out, *, block_size=1, keep_first=0, keep_last=0,
+                       stream=None):
+        """``update(scores, nblocks)`` then ``predict(num_blocks, nblocks, out)`` (the same keywords) ->
+        out, bit for bit, in one C call / one CUDA kernel (each row's update and the prediction of the
+        updated row in one pass over the state, into the predictor's own score buffers) and one
+        ``topk_decode`` over the ``B * Hkv`` rows.
+
+        out: int32 ``[B, Hkv, num_blocks]``, C-contiguous, on the predictor's device (required:
+        allocation-free and graph-safe). The arguments are checked before anything is written: a
+        ValueError / TypeError (naming the argument) leaves the state as it was."""
+        k = _check_int("num_blocks", num_blocks, lo=0)
+        G, kf, kl = _check_counts(block_size, keep_first, keep_last)
+        nblocks, B = self._nblocks(nblocks)
+        if out is None:
+            raise TypeError("'out' is required: an int32 [B, Hkv, num_blocks] array (update_predict allocates "
+                            "nothing)")
+        self._check_out(out, B, k)
+        lv, tr, kn, pr, rl = self.level[:B], self.trend[:B], self.known[:B], self._pred[:B], self._row_len[:B]
+        if compiling():
+            if stream is not None:
+                raise ValueError("'stream' is not supported under torch.compile: use `with torch.cuda.stream(s):`")
+            _update_predict_op.call(lv, tr, kn, nblocks, scores, pr, rl, self.alpha, self.beta, self.phi, G, kf, kl)
+            return self._topk(pr, rl, k, out, B, None)
+        fw, like = self._framework(lv, nblocks, scores)
+        (l, t, k_, n, s, p, r), cstream, nosync = prepare(fw, like, (lv, tr, kn, nblocks, scores, pr, rl), stream)
+        _C.prr_ema_update(l, t, k_, n, s, self.alpha, self.beta, self.phi, cstream, nosync, block_size=G, pred=p,
+                          row_len=r, keep_first=kf, keep_last=kl)
+        return self._topk(pr, rl, k, out, B, stream)
 
     def reset(self, rows=None) -> None:
         """Forget the state of batch rows (all KV heads): ``known[rows] = 0``. rows: None (every

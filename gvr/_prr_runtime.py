@@ -8,15 +8,20 @@ One decode step of one layer (``SpeculativeAttention.step``):
 2. speculative attention over ``predicted`` (``gvr.sparse_attention``; in exact mode with
    ``partials=``) -- on CUDA on a side stream owned by the object, while
 3. the caller's selection stage ``select(q)`` runs on the caller's current stream;
-4. (events join) ``missed = gvr.prr.missed(selected, predicted)``; exact mode:
-   ``gvr.prr.finalize(partials, predicted, selected)`` then ``gvr.prr.repair(missed)`` -- attention over
-   exactly ``selected``; superset mode: ``repair(missed)`` onto the speculative state -- attention over
-   ``predicted`` (as listed: an entry listed twice counts twice, out-of-range entries count nothing)
-   plus the entries of ``selected`` it lacks;
-5. hit counts (on the device, no host read) and the predictor's update: "ema" folds the step's block
-   scores into ``gvr.prr.EMAPredictor`` and predicts the next step's Top-``round(budget*k)`` blocks;
-   "last" takes this step's selection (its first ``round(budget*k)`` entries, -1 padded) as the next
-   prediction -- with ``quest_select(..., sorted=True)`` the best-scored blocks, on every device.
+4. (events join) exact mode: ``gvr.prr.finalize(partials, predicted, selected)``; then one
+   ``gvr.prr.repair(..., selected, exclude=predicted, counts=, cast_out=)``: the entries of
+   ``selected`` that ``predicted`` lacks (``missed(selected, predicted)``, found inside the repair
+   kernel), the hit counts, and the result in the output's dtype, in one launch. Exact mode: attention
+   over exactly ``selected``; superset mode: over ``predicted`` (as listed: an entry listed twice
+   counts twice, out-of-range entries count nothing) plus the entries of ``selected`` it lacks;
+5. the predictor, on CUDA on the side stream concurrently with the repair: "ema" folds the step's block
+   scores into ``gvr.prr.EMAPredictor`` and predicts the next step's Top-``round(budget*k)`` blocks
+   (``EMAPredictor.update_predict``: one pass over its state, the always-kept blocks forced in, then
+   one Top-K); "last" takes this step's selection (its first ``round(budget*k)`` entries, -1 padded)
+   -- with ``quest_select(..., sorted=True)`` the best-scored blocks, on every device. With
+   ``step(..., join=True)`` (the default) the step ends by waiting for it; ``join=False`` leaves it
+   running into whatever the caller does next (a model's other layers), joined by the next step or
+   ``join()``.
 
 ``budget = 0`` turns speculation off: the step is plain serial attention over ``selected``.
 The state is kept in float32 (out ``[B, Hq, D]``, lse ``[B, Hq]``) and converted once to q's dtype.
@@ -31,9 +36,8 @@ import numpy as np
 
 from .attention import repair as _repair
 from .attention import sparse_attention
-from .topk import topk_decode
 from ._prr_ema import EMAPredictor, _check_int
-from ._prr_select import block_scores, select_blocks
+from ._prr_select import select_blocks
 
 __all__ = ["SpeculativeAttention", "quest_select"]
 
@@ -123,9 +127,15 @@ class SpeculativeAttention:
     (budget 0) counts nothing and reports 0.
 
     On CUDA the
-    speculative attention runs on ``self.side_stream``, joined by events; the step allocates nothing
-    and reads nothing back after a first eager step (gvr's per-stream workspaces are then made), so
-    a step -- both streams -- can be captured in one CUDA graph and replayed.
+    speculative attention and the predictor run on ``self.side_stream``, joined by events; the step
+    allocates nothing and reads nothing back after a first eager step (gvr's per-stream workspaces are
+    then made), so a step -- both streams -- can be captured in one CUDA graph and replayed.
+
+    ``step(..., join=False)`` (CUDA): the step returns once the repair is enqueued, the predictor still
+    running on the side stream; it reads ``lengths`` and the selection's ``selected`` / ``scores``, so
+    those must not change before the next step of this object (which waits for it before its
+    selection) or ``join()``. Call ``join()`` before ending a graph capture whose last step used
+    ``join=False``. On the CPU ``join`` changes nothing.
     """
 
     def __init__(self, max_batch, Hq, Hkv, D, max_blocks, *, block_size, k, budget=1.0, mode="exact",
@@ -183,7 +193,9 @@ class SpeculativeAttention:
                                       device=device) if predictor == "ema" else None
         B, Hq_, Hkv_, D_, n = self.max_batch, self.Hq, self.Hkv, self.D, self.n_pred
         self._pred = self._full((B, Hkv_, n), -1, "int32")           # this step's prediction
-        self._missed = self._full((B, Hkv_, self.k), -1, "int32")
+        # CUDA: the next step's prediction, made on the side stream while the repair reads _pred
+        self._pred_next = self._full((B, Hkv_, n), -1, "int32") if self._torch is not None else None
+        self._fresh = False  # _pred_next holds a prediction not yet copied into _pred (step(join=False))
         self._state_out = self._full((B, Hq_, D_), 0, "float32")
         self._state_lse = self._full((B, Hq_), -np.inf, "float32")
         if mode == "exact" and n > 0:
@@ -192,11 +204,6 @@ class SpeculativeAttention:
         else:
             self._part_out = self._part_lse = None
         self._nblocks = self._full((B,), 0, "int32")
-        if self.keep_last:  # positions of the most recent blocks: row_len - 1 - [0, keep_last)
-            self._kl_off = self._full((self.keep_last,), 0, "int64")
-            self._kl_off[:] = (np.arange(1, self.keep_last + 1) if self._torch is None else
-                               self._torch.arange(1, self.keep_last + 1, device=self.device))
-            self._kl_idx = self._full((B, Hkv_, self.keep_last), 0, "int64")
         self._counts = self._full((4,), 0, "int64")  # last hits, last selected, total hits, total selected
         self._outs = {}  # (framework, dtype name) -> returned-out buffer [max_batch, Hq, D]
         if self._torch is not None:
@@ -204,6 +211,8 @@ class SpeculativeAttention:
             self.side_stream = t.cuda.Stream(device=self.device)
             self._ev_start = t.cuda.Event()
             self._ev_spec = t.cuda.Event()
+            self._ev_sel = t.cuda.Event()
+            self._ev_pred = t.cuda.Event()
             if dtype is not None:
                 self._out_buffer("torch", _dtype_name(dtype))
         else:
@@ -250,7 +259,9 @@ class SpeculativeAttention:
 
     # -- prediction hooks ---------------------------------------------------------------------------
     def prediction(self, B=None):
-        """The prediction buffer (int32 [B, Hkv, n_pred]) the next step will speculate on."""
+        """The prediction buffer (int32 [B, Hkv, n_pred]) the next step will speculate on (joins a pending
+        ``step(join=False)`` first)."""
+        self.join()
         return self._pred[: self.max_batch if B is None else B]
 
     def set_prediction(self, predicted):
@@ -264,6 +275,7 @@ class SpeculativeAttention:
                              f"got {list(s)}")
         if str(predicted.dtype).replace("torch.", "") != "int32":
             raise TypeError(f"'predicted' must be int32, got {predicted.dtype}")
+        self.join()
         if self._torch is None:
             if _is_cuda(predicted):
                 raise ValueError("'predicted' must be on the CPU for a CPU runtime")
@@ -274,6 +286,7 @@ class SpeculativeAttention:
 
     def reset(self, rows=None):
         """Forget rows (None: all): their prediction becomes empty and the EMA state forgets them."""
+        self.join()
         if rows is None:
             idx = slice(None)
         elif isinstance(rows, bool) or not isinstance(rows, (int, np.integer, list, tuple)):
@@ -413,109 +426,123 @@ class SpeculativeAttention:
                              f"max_blocks={self.max_blocks}")
         return nb
 
-    def _force_kept(self, pr, rl, B):
-        """pr[b, h, j] = +inf for j < keep_first and for the keep_last blocks below rl[b, h] (in place,
-        fixed buffers: no allocation)."""
-        if self.keep_first:
-            pr[:, :, :self.keep_first] = np.inf
-        if not self.keep_last:
-            return
-        idx = self._kl_idx[:B]
-        if self._torch is None:
-            np.subtract(rl[:, :, None], self._kl_off, out=idx)
-            np.maximum(idx, 0, out=idx)
-            np.put_along_axis(pr, idx, np.inf, axis=2)
-        else:
-            t = self._torch
-            t.sub(rl.unsqueeze(-1), self._kl_off, out=idx)
-            idx.clamp_(min=0)
-            pr.scatter_(2, idx, float("inf"))
-
-    def _update_prediction(self, selected, scores, nblocks, B):
+    def _update_prediction(self, selected, scores, lengths, nblocks, B, dst):
+        """The next step's prediction into dst (int32 [B, Hkv, n_pred]): "ema" folds the step's scores into the
+        predictor and takes its Top-n_pred in one pass over the state (the always-kept blocks forced in) plus
+        one Top-K; "last" copies the selection's first n_pred entries."""
         n = self.n_pred
-        if n == 0:
-            return
-        pred = self._pred[:B]
         if self.predictor_kind == "ema":
             sc = scores
             if self._torch is None and _is_torch(sc):
                 sc = sc.numpy()
-            self.predictor.update(sc, nblocks)
-            # the blocks the selection always keeps (the first keep_first and the keep_last most recent of
-            # each row) are always predicted too: +inf before the Top-K, as select_blocks scores them
-            pr, rl = self.predictor.predicted_scores(nblocks)
-            self._force_kept(pr, rl, B)
-            H = self.Hkv
-            topk_decode(pr.reshape(B * H, pr.shape[2]), n, lengths=rl.reshape(B * H), out=pred.reshape(B * H, n))
+            if nblocks is None:  # CUDA with lengths: the token counts themselves, blocks counted in the kernel
+                nb, G = lengths, self.block_size
+            else:
+                nb, G = nblocks, 1
+            self.predictor.update_predict(sc, nb, n, dst, block_size=G, keep_first=self.keep_first,
+                                          keep_last=self.keep_last)
             return
         m = min(n, self.k)
         if self._torch is None:
             sel = selected.numpy() if _is_torch(selected) else np.asarray(selected)
-            pred[:, :, :m] = sel[:, :, :m]
-            pred[:, :, m:] = -1
+            dst[:, :, :m] = sel[:, :, :m]
+            dst[:, :, m:] = -1
         else:
-            pred[:, :, :m].copy_(selected[:, :, :m])
+            dst[:, :, :m].copy_(selected[:, :, :m])
             if m < n:
-                pred[:, :, m:].fill_(-1)
+                dst[:, :, m:].fill_(-1)
 
-    def step(self, q, k_cache, v_cache, block_table, lengths, select, *, scale=None, out=None):
+    def join(self):
+        """Make the current stream wait for this runtime's side stream (the prediction made by a
+        ``step(..., join=False)``) and bring that prediction into place. Needed before ending a CUDA-graph
+        capture whose last step ran with ``join=False``; a no-op otherwise (and on the CPU)."""
+        if self._torch is None or not self._fresh:
+            return
+        t = self._torch
+        t.cuda.current_stream(self.device).wait_event(self._ev_pred)
+        self._pred.copy_(self._pred_next)
+        self._fresh = False
+
+    def step(self, q, k_cache, v_cache, block_table, lengths, select, *, scale=None, out=None, join=True):
         """One decode step of this layer -> ``(out, lse)`` (see the class docstring)."""
         B = self._check_inputs(q, block_table, lengths, select, out)
         torch_io = _is_torch(q)
         cpu = self._torch is None
         so, sl = self._state_out[:B], self._state_lse[:B]
-        pred, miss = self._pred[:B], self._missed[:B]
+        pred = self._pred[:B]
         if cpu and torch_io:  # torch CPU callers: torch views of the NumPy buffers (gvr takes both)
             so, sl = self._view(so, True), self._view(sl, True)
         akw = dict(block_table=block_table, lengths=lengths, block_size=self.block_size, scale=scale)
         speculate = self.n_pred > 0
         ema = speculate and self.predictor is not None
-        # block counts for the EMA: on the CPU first (they are validated), on CUDA after the selection
-        nblocks = self._block_counts(lengths, block_table, k_cache, B) if ema and cpu else None
-        partials = None
-        if speculate and self.mode == "exact":
-            partials = (self._part_out[:B], self._part_lse[:B])
-
-        # 1-2: speculative attention over the prediction (side stream on CUDA) || selection (caller's stream)
-        if cpu:
-            if speculate:
-                sparse_attention(q, k_cache, v_cache, pred, out=so, lse=sl, partials=partials, **akw)
-            selected, scores = self._selection(q, select, B)
-        else:
-            t = self._torch
-            main = t.cuda.current_stream(self.device)
-            if speculate:
-                self._ev_start.record(main)
-                self.side_stream.wait_event(self._ev_start)
-                with t.cuda.stream(self.side_stream):
-                    sparse_attention(q, k_cache, v_cache, pred, out=so, lse=sl, partials=partials, **akw)
-                    self._ev_spec.record(self.side_stream)
-            selected, scores = self._selection(q, select, B)
-            if speculate:
-                main.wait_event(self._ev_spec)
-
-        # 3: repair
-        if not speculate:
-            sparse_attention(q, k_cache, v_cache, selected, out=so, lse=sl, **akw)
-        else:
-            from .prr import finalize, missed as _missed  # gvr.prr imports this module: late import
-            _missed(selected, pred, out=miss, counts=self._counts)
-            if self.mode == "exact":
-                finalize(partials, pred, selected, out=so, lse=sl)
-            _repair(so, sl, q, k_cache, v_cache, miss, **akw)
-
-        # 4: the predictor (hit counts came with the missed pass)
-        if speculate:
-            if ema and not cpu:
-                nblocks = self._block_counts(lengths, block_table, k_cache, B)
-            self._update_prediction(selected, scores, nblocks, B)
-
-        # 5: the result in q's dtype
         name = _dtype_name(q.dtype)
         if out is None:
             fw = "torch" if torch_io or name == "bfloat16" else "numpy"
             out = self._out_buffer(fw, name)[:B]
-        self._convert(out, so)
+        # the repair writes the result in out's dtype too when it is q's or float32 (no conversion pass)
+        cast = out if _dtype_name(out.dtype) in (name, "float32") and _is_cuda(out) == (not cpu) else None
+        if cast is not None and cpu and _is_torch(cast) != torch_io:
+            cast = None
+        partials = None
+        if speculate and self.mode == "exact":
+            partials = (self._part_out[:B], self._part_lse[:B])
+
+        if not speculate:  # serial: attention over the selection
+            selected, scores = self._selection(q, select, B)
+            sparse_attention(q, k_cache, v_cache, selected, out=so, lse=sl, **akw)
+            self._convert(out, so)
+            return out, sl
+
+        from .prr import finalize  # gvr.prr imports this module: late import
+        if cpu:
+            # block counts for the EMA: first (they are validated)
+            nblocks = self._block_counts(lengths, block_table, k_cache, B) if ema else None
+            self._counts[:2] = 0
+            sparse_attention(q, k_cache, v_cache, pred, out=so, lse=sl, partials=partials, **akw)
+            selected, scores = self._selection(q, select, B)
+            if self.mode == "exact":
+                finalize(partials, pred, selected, out=so, lse=sl)
+            _repair(so, sl, q, k_cache, v_cache, selected, exclude=pred, counts=self._counts, cast_out=cast, **akw)
+            self._update_prediction(selected, scores, None, nblocks, B, pred)
+        else:
+            # side stream: [the previous step's prediction into place], the hit counts of this step zeroed,
+            # the speculative attention over the prediction -- while the caller's selection runs on main
+            t = self._torch
+            main = t.cuda.current_stream(self.device)
+            side = self.side_stream
+            fresh, self._fresh = self._fresh, False
+            self._ev_start.record(main)
+            side.wait_event(self._ev_start)
+            with t.cuda.stream(side):
+                if fresh:
+                    self._pred.copy_(self._pred_next)
+                self._counts[:2].zero_()
+                sparse_attention(q, k_cache, v_cache, pred, out=so, lse=sl, partials=partials, **akw)
+                self._ev_spec.record(side)
+            if fresh:  # the previous step's predictor has read the selection's buffers before they change
+                main.wait_event(self._ev_pred)
+            selected, scores = self._selection(q, select, B)
+            nblocks = None
+            if ema and lengths is None:  # every row holds the block table's capacity
+                nblocks = self._block_counts(None, block_table, k_cache, B)
+            self._ev_sel.record(main)
+            # the next step's prediction on the side stream, concurrent with the repair below (into
+            # _pred_next: the repair reads _pred)
+            side.wait_event(self._ev_sel)
+            with t.cuda.stream(side):
+                self._update_prediction(selected, scores, lengths, nblocks, B, self._pred_next[:B])
+                self._ev_pred.record(side)
+            # main: the join, then (exact) the speculated states that were selected, and the repair with the
+            # missed entries (the hits skipped in the kernel, counted there)
+            main.wait_event(self._ev_spec)
+            if self.mode == "exact":
+                finalize(partials, pred, selected, out=so, lse=sl)
+            _repair(so, sl, q, k_cache, v_cache, selected, exclude=pred, counts=self._counts, cast_out=cast, **akw)
+            self._fresh = True
+            if join:
+                self.join()
+        if cast is None:
+            self._convert(out, so)
         return out, sl
 
     def _convert(self, dst, src):
@@ -541,11 +568,12 @@ def quest_select(meta, k, lengths=None, *, block_size, init_blocks=1, local_bloc
     """A selection stage for ``SpeculativeAttention.step``: ``select(q) -> (selected, scores)``.
 
     ``selected = gvr.prr.select_blocks(q, meta, k, lengths, block_size=..., init_blocks=...,
-    local_blocks=..., sorted=sorted)`` (int32 ``[B, Hkv, k]``; sorted: best first, what the "last"
-    predictor wants when its budget is below 1 -- it keeps the first entries -- at the price of a sort,
-    ~18 us at k = 64 on the H100) and ``scores = gvr.prr.block_scores(q, meta, lengths,
-    block_size=..., keep_first=0, keep_last=0)`` (float32 ``[B, Hkv, Nb]``: the finite Quest scores
-    the EMA predictor folds in), both written into buffers made here (fixed addresses: graph-safe).
+    local_blocks=..., sorted=sorted, scores_out=scores)`` (int32 ``[B, Hkv, k]``; sorted: best first,
+    what the "last" predictor wants when its budget is below 1 -- it keeps the first entries -- at the
+    price of a sort, ~18 us at k = 64 on the H100) and, from the same pass over the metadata,
+    ``scores`` = ``gvr.prr.block_scores(q, meta, lengths, block_size=..., keep_first=0, keep_last=0)``
+    (float32 ``[B, Hkv, Nb]``: the finite Quest scores the EMA predictor folds in), both written into
+    buffers made here (fixed addresses: graph-safe).
     ``meta`` and ``lengths`` are read at each call: update them in place (``update_block_metadata``)
     between steps. B = q.shape[0] <= meta.shape[0] (or max_batch).
     """
@@ -569,8 +597,7 @@ def quest_select(meta, k, lengths=None, *, block_size, init_blocks=1, local_bloc
         m = meta[:B]
         ln = lengths
         select_blocks(q, m, kk, ln, block_size=block_size, group_reduce=group_reduce, init_blocks=init_blocks,
-                      local_blocks=local_blocks, out=sel, sorted=sorted)
-        block_scores(q, m, ln, block_size=block_size, group_reduce=group_reduce, keep_first=0, keep_last=0, out=sc)
+                      local_blocks=local_blocks, out=sel, sorted=sorted, scores_out=sc)
         return sel, sc
 
     select.selected, select.scores = sel_buf, sc_buf

@@ -64,13 +64,15 @@ def _run_update(meta, k_cache, block_table, start, end, block_size, stream):
     return meta
 
 
-def _run_scores(q, meta, lengths, block_size, group_reduce, keep_first, keep_last, out, counts, stream):
+def _run_scores(q, meta, lengths, block_size, group_reduce, keep_first, keep_last, out, counts, stream,
+                raw=None):
     fw = framework(q)
     ms = _shape(meta)
     if out is None and ms is not None and len(ms) == 5:
         out = _new(q, fw, ms[:3], "float32")
-    (aq, am, al, ao, ac), stream, nosync = prepare(fw, q, (q, meta, lengths, out, counts), stream)
-    r = _C.block_scores(aq, am, al, ao, ac, block_size, group_reduce, keep_first, keep_last, stream, nosync)
+    # in gvr._C's spec order (q, meta, lengths, out, counts, scores_out): nosync's bits follow it
+    (aq, am, al, ao, ac, ar), stream, nosync = prepare(fw, q, (q, meta, lengths, out, counts, raw), stream)
+    r = _C.block_scores(aq, am, al, ao, ac, block_size, group_reduce, keep_first, keep_last, stream, nosync, ar)
     return r if out is None else out
 
 
@@ -82,7 +84,8 @@ def _check_blocks(n, name):
         raise ValueError(f"'{name}' must not be negative, got {n.__index__()}")
 
 
-def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted=False):
+def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted=False,
+                scores_out=None):
     _check_blocks(init_blocks, "init_blocks")
     _check_blocks(local_blocks, "local_blocks")
     fw = framework(q)
@@ -90,13 +93,15 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
     kk = _int(k)
     if ms is None or len(ms) != 5 or kk is None or kk < 0:
         # gvr._C / topk_decode name the problem
-        _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, None, None, stream)
+        _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, None, None, stream,
+                    scores_out)
         topk_decode(_new(q, fw, (1, 1), "float32"), k)
         raise TypeError("prr.select_blocks: 'meta' must be [B, Hkv, Nb, 2, D] and 'k' an int >= 0")
     B, Hkv, Nb = ms[:3]
     scores = _new(q, fw, (B, Hkv, Nb), "float32")
     counts = _new(q, fw, (B, Hkv), "int32")
-    _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, scores, counts, stream)
+    _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, scores, counts, stream,
+                scores_out)
     res = out
     if res is None or not _contiguous(res, fw):
         res = _new(q, fw, (B, Hkv, kk), "int32")
@@ -158,6 +163,24 @@ def _scores_fake(q, meta, lengths, block_size, group_reduce, keep_first, keep_la
     return q.new_empty((B, Hkv, Nb), dtype=t.float32), q.new_empty((B, Hkv), dtype=t.int32)
 
 
+def _select_scores_impl(q, meta, lengths, block_size, group_reduce, keep_first, keep_last):
+    """select_blocks' scores with scores_out: (scores, counts, the scores before the keep ranges), one pass."""
+    t = sys.modules["torch"]
+    B, Hkv, Nb = meta.shape[:3]
+    scores = t.empty((B, Hkv, Nb), dtype=t.float32, device=q.device)
+    counts = t.empty((B, Hkv), dtype=t.int32, device=q.device)
+    raw = t.empty((B, Hkv, Nb), dtype=t.float32, device=q.device)
+    _run_scores(q, meta, lengths, block_size, group_reduce, keep_first, keep_last, scores, counts, None, raw)
+    return scores, counts, raw
+
+
+def _select_scores_fake(q, meta, lengths, block_size, group_reduce, keep_first, keep_last):
+    t = sys.modules["torch"]
+    B, Hkv, Nb = meta.shape[:3]
+    return (q.new_empty((B, Hkv, Nb), dtype=t.float32), q.new_empty((B, Hkv), dtype=t.int32),
+            q.new_empty((B, Hkv, Nb), dtype=t.float32))
+
+
 _metadata_op = define_op("prr_block_metadata", "(Tensor k_cache, Tensor block_table, Tensor? lengths, int block_size)"
                          " -> Tensor", impl=_metadata_impl, fake=_metadata_fake)
 _update_op = define_op("prr_update_block_metadata", "(Tensor(a!) meta, Tensor k_cache, Tensor block_table, "
@@ -166,6 +189,9 @@ _update_op = define_op("prr_update_block_metadata", "(Tensor(a!) meta, Tensor k_
 _scores_op = define_op("prr_block_scores", "(Tensor q, Tensor meta, Tensor? lengths, int block_size, "
                        "str group_reduce, int keep_first, int keep_last) -> (Tensor, Tensor)", impl=_scores_impl,
                        fake=_scores_fake)
+_select_scores_op = define_op("prr_select_scores", "(Tensor q, Tensor meta, Tensor? lengths, int block_size, "
+                              "str group_reduce, int keep_first, int keep_last) -> (Tensor, Tensor, Tensor)",
+                              impl=_select_scores_impl, fake=_select_scores_fake)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,7 +268,7 @@ def block_scores(q, meta, lengths=None, *, block_size, group_reduce="max", keep_
 
 
 def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", init_blocks=1, local_blocks=2,
-                  out=None, sorted=False, stream=None):
+                  out=None, sorted=False, scores_out=None, stream=None):
     """Quest block selection -> int32 ``[B, Hkv, k]``: per (row, KV head) the k best blocks, -1 padded.
 
     ``block_scores(q, meta, lengths, block_size=..., group_reduce=..., keep_first=init_blocks,
@@ -256,13 +282,41 @@ def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", i
     the ``indices`` that ``gvr.sparse_attention(q, K, V, indices, block_table=..., lengths=...,
     block_size=block_size)`` takes (Hsel = Hkv). Blocks with no token (pages out of range) score
     -inf and come last.
+
+    scores_out: float32 ``[B, Hkv, Nb]`` (unit stride along Nb, on q's device) to also receive the
+    scores the selection ranked *before* the keep ranges were forced to +inf, from the same pass over
+    the metadata: bit for bit ``block_scores(q, meta, lengths, block_size=..., group_reduce=...,
+    keep_first=0, keep_last=0)`` (-inf for blocks at or past the row's length and for blocks with no
+    token), for a caller that needs both (PRR's EMA predictor) without a second read of the metadata.
+    The selection is the same with or without it. Under torch.compile it is filled by a copy of the
+    op's third result (still one scores pass).
     """
     if compiling():
         _check_traced_stream(stream, "prr.select_blocks")
         _check_blocks(init_blocks, "init_blocks")
         _check_blocks(local_blocks, "local_blocks")
         B, Hkv, Nb = meta.shape[:3]
-        s, c = _scores_op.call(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks)
+        if scores_out is None:
+            s, c = _scores_op.call(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks)
+        else:
+            _check_traced_scores_out(scores_out, (B, Hkv, Nb))
+            s, c, raw = _select_scores_op.call(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks)
         r = topk_decode(s.reshape(B * Hkv, Nb), k, lengths=c.reshape(B * Hkv), sorted=sorted).reshape(B, Hkv, k)
+        if scores_out is not None:
+            scores_out.copy_(raw)
         return r if out is None else out.copy_(r)
-    return _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted)
+    return _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted,
+                       scores_out)
+
+
+def _check_traced_scores_out(x, shape):
+    """select_blocks' scores_out under torch.compile, checked as gvr._C checks it in eager calls (a
+    copy_ would convert a wrong dtype and broadcast a wrong shape silently)."""
+    t = sys.modules["torch"]
+    if not isinstance(x, t.Tensor):
+        raise TypeError(f"'scores_out' must be a torch tensor under torch.compile, got {type(x).__name__}")
+    if x.dtype != t.float32:
+        raise TypeError(f"'scores_out' must be float32, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"'scores_out' must have shape [B, Hkv, Nb] = {list(shape)} (from 'meta'), got "
+                         f"{list(x.shape)}")

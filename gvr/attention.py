@@ -112,7 +112,7 @@ def _stream_for(q, fw, stream):
 
 
 def _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, partials,
-                   accumulate, stream):
+                   accumulate, stream, exclude=None, counts=None, cast_out=None):
     fw = framework(q)
     qs = _shape(q)
     if partials is not None:
@@ -129,10 +129,10 @@ def _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_siz
     if fw in ("torch", "cupy") and is_cuda(q, fw):
         stream = _stream_for(q, fw, stream)
         ws = _workspace(q, fw, stream, k_cache, indices, block_table, block_size, partials, accumulate)
-    arrays = (q, k_cache, v_cache, indices, block_table, lengths, out, lse, po, pl, ws)
-    (aq, ak, av, ai, abt, aln, ao, al, apo, apl, aws), stream, nosync = prepare(fw, q, arrays, stream)
+    arrays = (q, k_cache, v_cache, indices, block_table, lengths, out, lse, po, pl, ws, exclude, counts, cast_out)
+    (aq, ak, av, ai, abt, aln, ao, al, apo, apl, aws, ax, ac, aco), stream, nosync = prepare(fw, q, arrays, stream)
     _C.sparse_attention(aq, ak, av, ai, abt, aln, block_size, scale, ao, al, apo, apl, accumulate, aws, stream,
-                        nosync)
+                        nosync, ax, ac, aco)
     return out, lse
 
 
@@ -154,10 +154,10 @@ def _att_fake(q, k_cache, v_cache, indices, lengths, block_table, block_size, sc
 
 
 def _att_out_impl(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, part_out,
-                  part_lse, accumulate):
+                  part_lse, accumulate, exclude=None, counts=None, cast_out=None):
     partials = None if part_out is None and part_lse is None else (part_out, part_lse)
     _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, partials,
-                   accumulate, None)
+                   accumulate, None, exclude, counts, cast_out)
 
 
 def _none(*args):
@@ -167,8 +167,9 @@ def _none(*args):
 _att_op = define_op("sparse_attention", f"({_ATT}) -> (Tensor, Tensor)", impl=_att_impl, fake=_att_fake)
 _att_out_op = define_op(
     "sparse_attention_out",
-    f"({_ATT}, Tensor(a!) out, Tensor(b!) lse, Tensor(c!)? part_out, Tensor(d!)? part_lse, bool accumulate) -> ()",
-    impl=_att_out_impl, fake=_none, mutates_args=("out", "lse", "part_out", "part_lse"))
+    f"({_ATT}, Tensor(a!) out, Tensor(b!) lse, Tensor(c!)? part_out, Tensor(d!)? part_lse, bool accumulate, "
+    "Tensor? exclude, Tensor(e!)? counts, Tensor(f!)? cast_out) -> ()",
+    impl=_att_out_impl, fake=_none, mutates_args=("out", "lse", "part_out", "part_lse", "counts", "cast_out"))
 
 
 def _check_traced_stream(stream, name):
@@ -178,7 +179,7 @@ def _check_traced_stream(stream, name):
 
 
 def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, partials,
-               accumulate, stream, name):
+               accumulate, stream, name, exclude=None, counts=None, cast_out=None):
     if compiling():
         _check_traced_stream(stream, name)
         if out is None and lse is None and partials is None and not accumulate:
@@ -189,10 +190,10 @@ def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, s
             lse = q.new_empty(q.shape[:2], dtype=sys.modules["torch"].float32)
         po, pl = partials if partials is not None else (None, None)
         _att_out_op.call(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, po, pl,
-                         accumulate)
+                         accumulate, exclude, counts, cast_out)
         return out, lse
     return _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse,
-                          partials, accumulate, stream)
+                          partials, accumulate, stream, exclude, counts, cast_out)
 
 
 def sparse_attention(q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,
@@ -228,12 +229,12 @@ def sparse_attention(q, k_cache, v_cache, indices, *, lengths=None, block_table=
 
 
 def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,
-           stream=None):
+           exclude=None, counts=None, cast_out=None, stream=None):
     """See gvr.prr.repair."""
     if out is None or lse is None:
         raise TypeError("prr.repair: 'out' and 'lse' (the state to repair, out float32) must be given")
     return _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, None, True,
-                      stream, "prr.repair")
+                      stream, "prr.repair", exclude, counts, cast_out)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ __all__ = ["repair", "missed", "finalize", "block_metadata", "update_block_metad
 
 
 def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,
-           stream=None):
+           exclude=None, counts=None, cast_out=None, stream=None):
     """Fold attention over ``indices`` into the state ``(out, lse)`` in place -> ``(out, lse)``.
 
     out: float32 ``[B, Hq, D]``, lse: float32 ``[B, Hq]`` — a state from ``gvr.sparse_attention(...,
@@ -57,13 +57,29 @@ def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=
     union (as multisets) of what it held and the entries of ``indices``; entries that are -1 or
     masked cost nothing, and an all-empty ``indices`` leaves the state bit for bit as it was. One
     kernel on CUDA (attention and merge fused), work proportional to the valid entries.
+
+    PRR's step after the selection, fused into the same launch (all optional):
+
+    exclude:   int32 ``[B, Hx, nx]`` (Hx = 1 or indices' Hsel), e.g. the speculated ``predicted``:
+               an entry x >= 0 of ``indices[b, s]`` that occurs anywhere in ``exclude[b, s]`` (row 0
+               when Hx = 1) is skipped -- the same state as ``repair(..., missed(indices, exclude))``
+               without the ``missed`` pass and its buffer.
+    counts:    contiguous int64 ``[2]`` or ``[4]`` on q's device: ``counts[0] +=`` the entries >= 0 of
+               ``indices`` found in ``exclude`` (hits), ``counts[1] +=`` the entries >= 0 of
+               ``indices`` (per selection row, not per query head); with 4 elements ``counts[2:4]``
+               get the same additions (e.g. [this step, running total]: zero ``counts[:2]`` before).
+    cast_out:  ``[B, Hq, D]`` in q's dtype or float32: also receives the repaired ``out`` converted
+               (round to nearest even), every head, so the float32 state needs no second pass to
+               become the layer's output.
     """
     if compiling():
         _check_traced_stream(stream, "prr.repair")
-        _repair_op.call(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale)
+        _repair_op.call(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, exclude,
+                        counts, cast_out)
         return out, lse
     return _repair(out, lse, q, k_cache, v_cache, indices, lengths=lengths, block_table=block_table,
-                   block_size=block_size, scale=scale, stream=stream)
+                   block_size=block_size, scale=scale, exclude=exclude, counts=counts, cast_out=cast_out,
+                   stream=stream)
 
 
 def _run_missed(selected, predicted, out, stream, counts=None):
@@ -137,9 +153,10 @@ def finalize(partials, predicted, selected, *, out=None, lse=None, stream=None):
 
 
 # -- torch.library ops ------------------------------------------------------------------------------
-def _repair_impl(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale):
+def _repair_impl(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, exclude=None,
+                 counts=None, cast_out=None):
     _repair(out, lse, q, k_cache, v_cache, indices, lengths=lengths, block_table=block_table,
-            block_size=block_size, scale=scale)
+            block_size=block_size, scale=scale, exclude=exclude, counts=counts, cast_out=cast_out)
 
 
 def _missed_impl(selected, predicted):
@@ -160,9 +177,10 @@ def _finalize_fake(part_out, part_lse, predicted, selected):
     return part_out.new_empty((B, Hq, D), dtype=t.float32), part_out.new_empty((B, Hq), dtype=t.float32)
 
 
-_REPAIR_ARGS = _ATT.replace("Tensor q,", "Tensor(a!) out, Tensor(b!) lse, Tensor q,")
+_REPAIR_ARGS = _ATT.replace("Tensor q,", "Tensor(a!) out, Tensor(b!) lse, Tensor q,") + \
+    ", Tensor? exclude, Tensor(c!)? counts, Tensor(d!)? cast_out"
 _repair_op = define_op("prr_repair", f"({_REPAIR_ARGS}) -> ()", impl=_repair_impl, fake=_none,
-                       mutates_args=("out", "lse"))
+                       mutates_args=("out", "lse", "counts", "cast_out"))
 _missed_op = define_op("prr_missed", "(Tensor selected, Tensor predicted) -> Tensor", impl=_missed_impl,
                        fake=_missed_fake)
 _finalize_op = define_op("prr_finalize",

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 13
+#define GVR_ABI_VERSION 14
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -180,6 +180,23 @@ typedef struct {
     int64_t part_out_stride_b, part_out_stride_h, part_out_stride_e;
     float *part_lse; /* [B, Hq, n], given with part_out */
     int64_t part_lse_stride_b, part_lse_stride_h;
+    /* prr.repair's fused extras (accumulate != 0, no part_out; NULL / 0: none):
+     * exclude [B, Hx, nx] (Hx = 1 or Hsel): an entry x >= 0 of indices[b, s, :] that occurs anywhere in
+     *   exclude[b, (Hx == 1 ? 0 : s), :] is skipped -- the repair equals one with indices replaced by
+     *   gvr_prr_missed(indices, exclude) (PRR: indices = selected, exclude = predicted);
+     * counts int64 [ncounts], ncounts 2 or 4: counts[0] += the entries x >= 0 of indices found in exclude,
+     *   counts[1] += the entries x >= 0 of indices (per selection row (b, s), not per query head);
+     *   ncounts 4: counts[2], counts[3] get the same additions;
+     * cast_out [B, Hq, D] in cast_dtype (GVR_ELEM_*): the final out also written there, converted (round
+     *   to nearest even), heads left unchanged by the repair included. */
+    const int32_t *exclude;
+    int64_t exc_stride_b, exc_stride_h;
+    int32_t Hx, nx;
+    int64_t *counts;
+    int32_t ncounts;
+    void *cast_out;
+    int32_t cast_dtype;
+    int64_t cast_stride_b, cast_stride_h;
 } gvr_attention_params;
 
 /* Bytes of device workspace gvr_sparse_attention needs (split states and split counters). The
@@ -323,6 +340,10 @@ enum { GVR_GROUP_MAX = 0, GVR_GROUP_SUM = 1 };
  *     - R over g in order: max keeps the first of equal values and takes NaN when met
  *       (m = s_g > m or s_g is NaN ? s_g : m); sum is ((s_0 + s_1) + s_2) + ... .
  * counts (nullable, [B, Hkv]): n_b for every h (the row lengths of topk_decode over the scores).
+ * raw_scores (nullable, [B, Hkv, Nb], unit stride along Nb): the same scores from the same pass
+ * before the keep ranges, i.e. what scores holds with keep_first = keep_last = 0 (-inf where scores
+ * is -inf, R_g s_g where scores is +inf through a keep range), bit for bit (select_blocks' scores_out:
+ * the scores PRR's EMA predictor folds in, without a second read of the metadata).
  * CUDA: F16 and BF16, D in {64, 128, 256}, GQ <= GVR_PRR_SCORES_MAX_GQA, meta on 16-byte boundaries
  * with strides in multiples of 8 elements. */
 typedef struct {
@@ -340,6 +361,8 @@ typedef struct {
     int64_t scores_stride_b, scores_stride_h;
     int32_t *counts; /* [B, Hkv] or NULL */
     int64_t counts_stride_b, counts_stride_h;
+    float *raw_scores; /* [B, Hkv, Nb], unit stride along Nb, or NULL: the scores before the keep ranges */
+    int64_t raw_stride_b, raw_stride_h;
 } gvr_block_scores_params;
 
 int gvr_prr_block_scores(const gvr_block_scores_params *p, void *stream);
@@ -349,8 +372,11 @@ int gvr_prr_block_scores(const gvr_block_scores_params *p, void *stream);
 /* ---- PRR EMA predictor and calibration (csrc/prr_ema.c, kernels/prr/ema.cu) ------------------------ */
 /* State of B rows (b, KV head h) x N blocks (unit stride along blocks), hyper-parameters
  * alpha, beta in (0, 1), phi in [0, 1]: level L[b, h, j], trend T[b, h, j] (float32), known[b, h]
- * (int32: blocks 0 .. known-1 have state). nb = clamp(nblocks[b], 0, N) (nblocks: int32 [B],
- * contiguous; gvr._C raises a ValueError for host values out of range, device values are clamped).
+ * (int32: blocks 0 .. known-1 have state). nblocks: int32 [B], contiguous; the row's block count is
+ *   nb = clamp(nblocks[b], 0, N)                      block_size G <= 1 (nblocks holds block counts)
+ *   nb = clamp(ceil(max(nblocks[b], 0) / G), 0, N)    G > 1 (nblocks holds token counts, e.g. lengths)
+ * (gvr._C raises a ValueError for host values out of range -- for G > 1, a negative token count or a
+ * derived block count above the limit --, device values are clamped).
  * Every expression is float32, rounded after each operation, in this order (no contraction into
  * FMA: the C path, the CUDA path (__fmul_rn/__fadd_rn) and NumPy float32 agree bit for bit):
  *   t = phi * T;  f = L + t                                   (the prediction)
@@ -358,18 +384,26 @@ int gvr_prr_block_scores(const gvr_block_scores_params *p, void *stream);
  *   T' = beta * (L' - L) + (1 - beta) * t                      ((1 - beta) rounded once)
  *
  * gvr_prr_ema_predict writes, for j < W (pred's width):
- *   pred[b, h, j] = f          j < min(known, nb)             (-inf for a block never observed)
- *                 = +inf       min(known, nb) <= j < nb       (a new block: always predicted)
- *                 = -inf       j >= nb                        (no such block)
+ *   pred[b, h, j] = +inf       j < nb, j < keep_first or j >= nb - keep_last (the blocks the selection
+ *                                                         always keeps are always predicted)
+ *                 = f          otherwise, j < min(known, nb) (-inf for a block never observed)
+ *                 = +inf       otherwise, min(known, nb) <= j < nb (a new block: always predicted)
+ *                 = -inf       j >= nb                         (no such block)
  * and row_len[b, h] = min(nb, W): Top-K of pred[b, h, :row_len] (gvr_topk_decode with lengths) is the
- * predicted selection.
+ * predicted selection. keep_first = keep_last = 0: no forced blocks.
  * gvr_prr_ema_update, with nu = min(nb, Ns) (scores' width Ns), s = scores[b, h, j]:
  *   j < min(known, nu), s observed, L > -inf:  the update above;
  *   j < min(known, nu), s observed, L == -inf: L' = s, T' = 0 (a block never observed starts now);
  *   j < min(known, nu), s not observed:        unchanged;
  *   min(known, nu) <= j < nu (new):            L' = s if observed else -inf, T' = 0;
  * then known[b, h] = nu. "Observed" means s > -inf: -inf (masked) and NaN leave no trace; +inf
- * follows IEEE arithmetic. Each row is read before it is written: one launch per call. */
+ * follows IEEE arithmetic. Each row is read before it is written: one launch per call.
+ * Fused update + predict: when pred != NULL or row_len != NULL, gvr_prr_ema_update also writes
+ * pred[b, h, j] for j < W (pred may be NULL only when W == 0) and row_len[b, h] (when given) exactly
+ * as gvr_prr_ema_predict called right after the update with the same parameters would (the same bits:
+ * after the update known = nu <= nb, so blocks nu <= j < nb -- beyond the scores' width -- are new:
+ * +inf), each row's update and prediction in the same launch (one CTA per row on CUDA). pred and
+ * row_len must not overlap the state. */
 typedef struct {
     int32_t B, H, N; /* rows, KV heads, blocks of state per row */
     float *level;
@@ -378,18 +412,20 @@ typedef struct {
     int64_t trend_stride_b, trend_stride_h;
     int32_t *known; /* [B, H] */
     int64_t known_stride_b, known_stride_h;
-    const int32_t *nblocks; /* [B], contiguous */
+    const int32_t *nblocks; /* [B], contiguous: block counts, or token counts when block_size > 1 */
+    int32_t block_size;     /* G: 0 or 1: nblocks are block counts; > 1: token counts, nb = ceil(n / G) */
     float alpha, beta, phi;
     /* update: scores [B, H, Ns] */
     const float *scores;
     int64_t scores_stride_b, scores_stride_h;
     int32_t Ns;
-    /* predict: pred [B, H, W], row_len [B, H] */
+    /* predict (and the fused update + predict): pred [B, H, W], row_len [B, H] */
     float *pred;
     int64_t pred_stride_b, pred_stride_h;
     int32_t W;
     int32_t *row_len;
     int64_t row_len_stride_b, row_len_stride_h;
+    int32_t keep_first, keep_last; /* >= 0: blocks j < keep_first and j >= nb - keep_last (j < nb) are +inf */
 } gvr_ema_params;
 
 int gvr_prr_ema_predict(const gvr_ema_params *p, void *stream);

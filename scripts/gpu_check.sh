@@ -14,6 +14,7 @@
 #   sparda   issue 14's pieces (compressed keys, forecast_select, prefetch, host cache): GPU tests, sanitizer
 #   spardabench  benchmarks/bench_sparda.py -> $OUT/results_sparda_cuda.json, bench_sparda.log
 #   prefetcher  the persistent gvr.sparda.Prefetcher's GPU tests and eager timing (apart, short timeouts)
+#   prrfused  GPU tests of the fused PRR step (repair extras, scores_out, update_predict, runtime, attention)
 #   gputests  every GPU test (check's first part); sanall: compute-sanitizer on every sanitize_case part
 #   topkragged  bench_page_table --only-ragged (row_starts vs per-row calls vs padding)
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
@@ -99,6 +100,14 @@ sanitize() {  # $1: sanitize_case.py --only value; extra environment from the ca
     (cd /tmp && timeout 420 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$tool.log") clean summaries)"; tail -3 "$OUT/sanitizer_$1_$tool.log"
   done
+}
+
+prrfused() {  # issue 13's fused step pieces: repair(exclude, counts, cast_out), select_blocks(scores_out),
+  # EMAPredictor.update_predict, the runtime, attention partials; GPU tests, all failures listed
+  say "GPU tests (fused PRR step)"
+  (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 test_prr_repair_fused_gpu.py \
+    test_attention_gpu.py test_prr_select_gpu.py test_prr_ema_gpu.py test_prr_runtime_gpu.py) 2>&1 \
+    | tee "$OUT/pytest_prrfused_gpu.log" | grep -E "passed|failed|FAILED|Error" | tail -40
 }
 
 gputests() {  # every GPU test (check's first part), failures listed
@@ -354,6 +363,7 @@ for mode in "${@:-check}"; do
     spardashapes) spardashapes ;;
     topkragged) topkragged ;;
     gputests) gputests ;;
+    prrfused) prrfused ;;
     sanall) for c in topk attention prr sparda; do sanitize $c; done ;;
     spardapipe) spardapipe ;;
     prefetcher) prefetcher ;;

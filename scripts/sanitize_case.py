@@ -135,6 +135,21 @@ if only in (None, "attention"):
             f_out, f_lse = gvr.prr.finalize((po, pl), sel, missed_sel)
             gvr.prr.repair(f_out, f_lse, q, k, v, miss, **kw)
             gvr.prr.repair(f_out, f_lse, q, k, v, torch.full((B, Hsel, 4), -1, dtype=torch.int32, device=dev), **kw)
+            # the fused repair: exclusion rows of 5 and of 70 entries (past the 64 held in registers), counts,
+            # the result cast; equal to the repair over missed() above up to rounding, counts exact
+            for nx in (5, 70):
+                excl = torch.randint(-1, nblk + 2 if paged else 12 * P, (B, Hsel, nx), dtype=torch.int32, device=dev)
+                a_out, a_lse = f_out.clone(), f_lse.clone()
+                b_out, b_lse = f_out.clone(), f_lse.clone()
+                cnt = torch.zeros(4, dtype=torch.int64, device=dev)
+                cast = torch.empty(B, Hq, D, dtype=torch.bfloat16, device=dev)
+                gvr.prr.repair(a_out, a_lse, q, k, v, gvr.prr.missed(missed_sel, excl), **kw)
+                gvr.prr.repair(b_out, b_lse, q, k, v, missed_sel, exclude=excl, counts=cnt, cast_out=cast, **kw)
+                assert torch.allclose(a_out, b_out, atol=1e-5, rtol=1e-5), (D, paged, nx)
+                assert torch.equal(cast, b_out.to(torch.bfloat16)), (D, paged, nx)
+                ref = torch.zeros(4, dtype=torch.int64)
+                gvr.prr.missed(missed_sel.cpu(), excl.cpu(), counts=ref)
+                assert cnt.cpu().tolist() == ref[:2].tolist() * 2, (D, paged, nx, cnt, ref)
             m_out, m_lse = gvr.merge_states(out, lse, f_out, f_lse)
             gvr.merge_states_in_place(m_out, m_lse, out, lse, lse_base="2")
             o0, l0 = out[0], lse[0]

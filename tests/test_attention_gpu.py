@@ -434,7 +434,9 @@ def test_opcheck_cuda():
     att = (q, k, v, idx, kw["lengths"], kw["block_table"], 16, None)
     torch.library.opcheck(torch.ops.gvr.sparse_attention.default, att)
     st = (torch.randn(2, 4, 64, device="cuda"), torch.randn(2, 4, device="cuda"))
-    torch.library.opcheck(torch.ops.gvr.prr_repair.default, st + att)
+    torch.library.opcheck(torch.ops.gvr.prr_repair.default, st + att + (None, None, None))
+    ex, cnt = idx[:, :, :1].contiguous(), torch.zeros(4, dtype=torch.int64, device="cuda")
+    torch.library.opcheck(torch.ops.gvr.prr_repair.default, st + att + (ex, cnt, torch.empty_like(q)))
     torch.library.opcheck(torch.ops.gvr.merge_states.default, st + st + (False,))
     torch.library.opcheck(torch.ops.gvr.prr_missed.default, (idx, idx[:, :, :1].contiguous()))
 

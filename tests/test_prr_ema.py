@@ -3,7 +3,8 @@ csrc/cpu/prr_ema_cpu.c): update / predict bit-exact against a NumPy float32 impl
 expressions, new blocks, reset, -inf / NaN scores, the predicted Top-K against the reference order
 (ties to the lower index), calibration against a brute-force NumPy search (the same canonical sums:
 bit-exact hit rates), EMA vs last-step reuse on gvr.data.block_score_trace, NumPy and torch CPU, the
-torch.library ops, bad inputs named."""
+torch.library ops, bad inputs named. Token counts (block_size > 1) against the block counts NumPy
+derives, the forced keep ranges against NumPy, update_predict against update then predict bit for bit."""
 import numpy as np
 import pytest
 
@@ -27,20 +28,23 @@ class RefEMA:
         self.a, self.b, self.p = F(alpha), F(beta), F(phi)
         self.N = N
 
-    def scores(self, nblocks):
+    def scores(self, nblocks, keep_first=0, keep_last=0):
         B, H, N = len(nblocks), self.L.shape[1], self.N
         pred = np.full((B, H, N), NEG_INF, F)
+        j = np.arange(N)
         for b in range(B):
             nb = int(nblocks[b])
+            forced = (j < nb) & ((j < keep_first) | (j >= nb - keep_last))
             for h in range(H):
                 kn = min(int(self.known[b, h]), nb)
                 t = self.p * self.T[b, h, :kn]
                 pred[b, h, :kn] = self.L[b, h, :kn] + t
                 pred[b, h, kn:nb] = POS_INF
+                pred[b, h, forced] = POS_INF
         return pred
 
-    def predict(self, k, nblocks):
-        pred = self.scores(nblocks)
+    def predict(self, k, nblocks, keep_first=0, keep_last=0):
+        pred = self.scores(nblocks, keep_first, keep_last)
         B, H = pred.shape[:2]
         out = np.full((B, H, k), -1, np.int32)
         for b in range(B):
@@ -72,6 +76,12 @@ class RefEMA:
                     self.L[b, h, kn:nu] = np.where(xn > NEG_INF, xn, NEG_INF)
                     self.T[b, h, kn:nu] = 0
                     self.known[b, h] = nu
+
+
+def blocks_of(tokens, G, N):
+    """the block counts of token counts: ceil(tokens / G), negative counts 0, clamped to N"""
+    t = np.asarray(tokens, np.int64)
+    return np.clip(np.where(t > 0, (t + G - 1) // G, 0), 0, N).astype(np.int32)
 
 
 def same_bits(a, b):
@@ -271,6 +281,235 @@ def test_torch_library_ops_match_the_eager_path():
     compiled(L, T, known, nb, s, pred, rl)
     ref.update(s.numpy(), nb.numpy())
     assert same_bits(L.numpy(), ref.level)
+
+
+# --------------------------------------------------------------------------------------------------
+# token counts (block_size), the keep ranges, update_predict
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("G", [2, 3, 16])
+def test_token_counts_equal_their_block_counts(G):
+    rng = np.random.default_rng(G)
+    B, H, N, k = 4, 2, 24, 5
+    by_tokens = EMAPredictor(B, H, N, alpha=0.3, beta=0.6, phi=0.75)
+    by_blocks = EMAPredictor(B, H, N, alpha=0.3, beta=0.6, phi=0.75)
+    ref = RefEMA(B, H, N, 0.3, 0.6, 0.75)
+    tokens = np.array([0, 1, G, 2 * G + 1], np.int32)  # empty, one token, a full block, ragged
+    for step in range(8):
+        nb = blocks_of(tokens, G, N)
+        assert nb[0] == 0 and (step > 0 or list(nb) == [0, 1, 1, 3])
+        pt, lt = by_tokens.predicted_scores(tokens, block_size=G)
+        pt, lt = pt.copy(), lt.copy()
+        pb, lb = by_blocks.predicted_scores(nb)
+        assert same_bits(pt, pb) and np.array_equal(lt, lb)
+        assert same_bits(pt, ref.scores(nb)) and np.array_equal(lt, np.broadcast_to(nb[:, None], (B, H)))
+        assert np.array_equal(by_tokens.predict(k, tokens, block_size=G), by_blocks.predict(k, nb))
+        s = rng.standard_normal((B, H, N)).astype(F)
+        s[rng.random(s.shape) < 0.1] = NEG_INF
+        by_tokens.update(s, tokens, block_size=G)
+        by_blocks.update(s, nb)
+        ref.update(s, nb)
+        assert_state(by_tokens, ref, B)
+        assert same_bits(by_tokens.level, by_blocks.level) and same_bits(by_tokens.trend, by_blocks.trend)
+        grow = rng.integers(0, G + 2, B) * (np.arange(B) > 0)  # row 0 stays empty
+        tokens = np.minimum(tokens + grow, N * G - rng.integers(0, G, B)).astype(np.int32)
+    # block_size 1 is the block counts themselves
+    nb = np.array([3, 0, 24, 7], np.int32)
+    assert same_bits(by_blocks.predicted_scores(nb, block_size=1)[0].copy(), by_blocks.predicted_scores(nb)[0])
+
+
+def test_token_counts_at_the_limits():
+    pr = EMAPredictor(3, 1, 4)
+    # ceil(16 / 4) = 4 blocks: the limit; 2^31 - 1 tokens never overflow the ceil
+    pr.update(np.zeros((3, 1, 4), F), np.array([16, 13, 0], np.int32), block_size=4)
+    assert np.array_equal(pr.known[:, 0], [4, 4, 0])
+    big = EMAPredictor(1, 1, 4)
+    big.update(np.ones((1, 1, 4), F), np.array([2**31 - 1], np.int32), block_size=2**30)
+    assert np.array_equal(big.known, [[2]])
+    with pytest.raises(ValueError, match="block counts"):
+        pr.predict(2, np.array([17, 0, 0], np.int32), block_size=4)  # 5 blocks > max_blocks 4
+    with pytest.raises(ValueError, match="nblocks"):
+        pr.predict(2, np.array([-1, 0, 0], np.int32), block_size=4)  # a negative token count
+    with pytest.raises(ValueError, match="block counts"):
+        pr.update(np.zeros((3, 1, 2), F), np.array([9, 0, 0], np.int32), block_size=4)  # 3 blocks > Ns = 2
+    assert np.array_equal(pr.known[:, 0], [4, 4, 0])
+
+
+@pytest.mark.parametrize("keep", [(0, 0), (1, 0), (0, 1), (1, 2), (3, 3), (2, 40), (40, 0), (40, 40)])
+def test_keep_ranges_are_always_predicted(keep):
+    kf, kl = keep
+    rng = np.random.default_rng(kf * 100 + kl)
+    B, H, N = 6, 2, 12
+    pr = EMAPredictor(B, H, N, alpha=0.4, beta=0.2, phi=0.5)
+    ref = RefEMA(B, H, N, 0.4, 0.2, 0.5)
+    # nb = 0 (nothing forced), 1, 2, 4 (ranges overlapping when kf + kl > nb), 9 with 3 new blocks, N
+    s = rng.standard_normal((B, H, N)).astype(F)
+    s[rng.random(s.shape) < 0.15] = NEG_INF  # blocks never observed: -inf unless forced
+    old = np.array([0, 1, 2, 4, 6, 12], np.int32)
+    pr.update(s, old)
+    ref.update(s, old)
+    nb = np.array([0, 1, 2, 4, 9, 12], np.int32)
+    pred, row_len = pr.predicted_scores(nb, keep_first=kf, keep_last=kl)
+    want = ref.scores(nb, kf, kl)
+    assert same_bits(pred, want)
+    assert np.array_equal(row_len, np.broadcast_to(nb[:, None], (B, H)))
+    # the forcing itself, spelled out for one row: nb = 4
+    j = np.arange(N)
+    forced = (j < 4) & ((j < kf) | (j >= 4 - kl))
+    assert np.all(pred[3][:, forced] == POS_INF) and np.all(pred[3][:, 4:] == NEG_INF)
+    assert np.all(pred[:, :, N:] == NEG_INF) and np.all(pred[0] == NEG_INF)
+    for k in (0, 1, 3, 12):
+        assert_same_sets(pr.predict(k, nb, keep_first=kf, keep_last=kl), ref.predict(k, nb, kf, kl))
+
+
+@pytest.mark.parametrize("G, keep, narrow", [(1, (0, 0), False), (1, (1, 2), True), (4, (1, 1), False),
+                                             (5, (2, 3), True), (7, (30, 30), False)])
+@pytest.mark.parametrize("fw", ["numpy", "torch"])
+def test_update_predict_equals_update_then_predict(G, keep, narrow, fw):
+    if fw == "torch":
+        torch = pytest.importorskip("torch")
+        conv = torch.from_numpy
+    else:
+        conv = np.asarray
+    rng = np.random.default_rng(G * 10 + keep[0])
+    max_batch, H, N, k = 5, 3, 30, 7
+    kf, kl = keep
+    fused = EMAPredictor(max_batch, H, N, alpha=0.35, beta=0.55, phi=0.8)
+    split = EMAPredictor(max_batch, H, N, alpha=0.35, beta=0.55, phi=0.8)
+    ref = RefEMA(max_batch, H, N, 0.35, 0.55, 0.8)
+    B = 4
+    tokens = np.array([0, 3, 2 * G, 5 * G - 1], np.int32)
+    out = conv(np.full((B, H, k), 99, np.int32))
+    for step in range(14):
+        nb = blocks_of(tokens, G, N)
+        Ns = max(int(nb.max()), 1) + 2 if narrow else N  # scores narrower than the state (>= every nb)
+        s = (rng.standard_normal((B, H, Ns)) * 2).astype(F)
+        s[rng.random(s.shape) < 0.08] = NEG_INF
+        s[rng.random(s.shape) < 0.04] = np.nan
+        s[rng.random(s.shape) < 0.01] = POS_INF
+        got = fused.update_predict(conv(s), conv(tokens), k, out, block_size=G, keep_first=kf, keep_last=kl)
+        assert got is out
+        split.update(conv(s), conv(tokens), block_size=G)
+        want = split.predict(k, conv(tokens), block_size=G, keep_first=kf, keep_last=kl)
+        assert np.array_equal(np.asarray(got), np.asarray(want)), step  # the same bits: the same Top-K order
+        ref.update(s, nb)
+        assert_state(fused, ref, B)
+        assert same_bits(fused.level, split.level) and same_bits(fused.trend, split.trend)
+        assert np.array_equal(fused.known, split.known)
+        # the fused call's scores are the ones predict computes (and the NumPy reference's)
+        assert same_bits(fused._pred[:B], split._pred[:B]) and np.array_equal(fused._row_len[:B], split._row_len[:B])
+        assert same_bits(fused._pred[:B], ref.scores(nb, kf, kl))
+        assert_same_sets(got, ref.predict(k, nb, kf, kl))
+        if step == 6:  # a new sequence in slot 1
+            fused.reset(1)
+            split.reset(1)
+            ref.known[1] = 0
+            tokens[1] = 1
+        tokens = np.minimum(tokens + rng.integers(0, 2 * G, B), N * G).astype(np.int32)
+
+
+def test_update_predict_with_zero_blocks_wanted_and_empty_rows():
+    pr = EMAPredictor(2, 1, 6)
+    out = np.zeros((2, 1, 0), np.int32)
+    s = np.arange(12, dtype=F).reshape(2, 1, 6)
+    assert pr.update_predict(s, np.array([6, 0], np.int32), 0, out).shape == (2, 1, 0)
+    assert np.array_equal(pr.known, [[6], [0]])
+    out = np.zeros((2, 1, 3), np.int32)
+    pr.update_predict(s, np.array([6, 0], np.int32), 3, out, keep_first=1, keep_last=1)
+    assert np.array_equal(np.sort(out[0, 0]), [0, 4, 5]) and np.array_equal(out[1, 0], [-1, -1, -1])
+
+
+def _snapshot(pr):
+    return tuple(np.array(a, copy=True) for a in (pr.level, pr.trend, pr.known, pr._pred, pr._row_len))
+
+
+def test_bad_update_predict_arguments_change_nothing():
+    torch = pytest.importorskip("torch")
+    pr = EMAPredictor(2, 2, 8)
+    nb = np.array([8, 4], np.int32)
+    s = np.ones((2, 2, 8), F)
+    out = np.zeros((2, 2, 3), np.int32)
+    pr.update_predict(s, nb, 3, out)
+    before = _snapshot(pr)
+    out_before = out.copy()
+    cases = [
+        ((s, nb, -1, out), {}, ValueError, "num_blocks"),
+        ((s, nb, 2.5, out), {}, TypeError, "num_blocks"),
+        ((s, nb, 3, out), {"block_size": 0}, ValueError, "block_size"),
+        ((s, nb, 3, out), {"block_size": True}, TypeError, "block_size"),
+        ((s, nb, 3, out), {"block_size": 2**31}, ValueError, "block_size"),
+        ((s, nb, 3, out), {"keep_first": -1}, ValueError, "keep_first"),
+        ((s, nb, 3, out), {"keep_last": 1.5}, TypeError, "keep_last"),
+        ((s, nb, 3, None), {}, TypeError, "out"),
+        ((s, nb, 3, [[1]]), {}, TypeError, "out"),
+        ((s, nb, 3, np.zeros((2, 2, 4), np.int32)), {}, ValueError, "out"),
+        ((s, nb, 3, np.zeros((2, 2, 3), np.int64)), {}, TypeError, "out"),
+        ((s, nb, 3, np.zeros((2, 2, 6), np.int32)[:, :, ::2]), {}, ValueError, "out"),
+        ((s, nb, 3, torch.zeros(2, 2, 3, dtype=torch.int64)), {}, TypeError, "out"),
+        ((np.ones((2, 3, 8), F), nb, 3, out), {}, ValueError, "scores"),
+        ((np.ones((2, 2, 8)), nb, 3, out), {}, TypeError, "scores"),
+        ((s[:, :, :6], nb, 3, out), {}, ValueError, "nblocks"),  # 8 blocks > the scores' width 6
+        ((s, np.array([9, 1], np.int32), 3, out), {}, ValueError, "nblocks"),
+        ((s, np.array([33, 1], np.int32), 3, out), {"block_size": 4}, ValueError, "block counts"),
+        ((s, np.array([-1, 1], np.int32), 3, out), {"block_size": 4}, ValueError, "nblocks"),
+        ((s, np.array([1, 1], np.int64), 3, out), {}, TypeError, "nblocks"),
+        ((s, np.zeros(3, np.int32), 3, np.zeros((3, 2, 3), np.int32)), {}, ValueError, "nblocks"),
+    ]
+    for args, kw, exc, name in cases:
+        with pytest.raises(exc, match=name):
+            pr.update_predict(*args, **kw)
+        after = _snapshot(pr)
+        assert all(same_bits(a, b) for a, b in zip(before, after)), (name, kw)
+        assert np.array_equal(out, out_before)
+    for kw, exc, name in [({"block_size": 0}, ValueError, "block_size"), ({"keep_first": -2}, ValueError,
+                                                                           "keep_first"),
+                          ({"keep_last": "1"}, TypeError, "keep_last")]:
+        with pytest.raises(exc, match=name):
+            pr.predict(2, nb, **kw)
+        with pytest.raises(exc, match=name):
+            pr.predicted_scores(nb, **kw)
+    with pytest.raises(ValueError, match="block_size"):
+        pr.update(s, nb, block_size=-1)
+    with pytest.raises(ValueError, match="out"):
+        pr.predict(2, nb, out=np.zeros((2, 2, 3), np.int32))
+    assert all(same_bits(a, b) for a, b in zip(before[:3], _snapshot(pr)[:3]))
+
+
+def test_torch_library_ops_with_token_counts_keep_ranges_and_the_fused_op():
+    torch = pytest.importorskip("torch")
+    from gvr._interop import register_torch_ops
+
+    register_torch_ops()
+    rng = np.random.default_rng(8)
+    B, H, N, G = 2, 2, 9, 4
+    L, T = torch.zeros(B, H, N), torch.zeros(B, H, N)
+    known = torch.zeros(B, H, dtype=torch.int32)
+    pred, rl = torch.empty(B, H, N), torch.empty(B, H, dtype=torch.int32)
+    tok = torch.tensor([33, 13], dtype=torch.int32)  # 9 and 4 blocks
+    ref = EMAPredictor(B, H, N, alpha=0.25, beta=0.75, phi=0.5)
+    for step in range(3):
+        s = torch.from_numpy(rng.standard_normal((B, H, N)).astype(F))
+        if step == 0:
+            torch.ops.gvr.prr_ema_update(L, T, known, tok, s, 0.25, 0.75, 0.5, G)
+        else:
+            torch.ops.gvr.prr_ema_update_predict(L, T, known, tok, s, pred, rl, 0.25, 0.75, 0.5, G, 1, 2)
+        ref.update(s.numpy(), tok.numpy(), block_size=G)
+        assert same_bits(L.numpy(), ref.level) and same_bits(T.numpy(), ref.trend)
+    want, wrl = ref.predicted_scores(tok.numpy(), block_size=G, keep_first=1, keep_last=2)
+    assert same_bits(pred.numpy(), want) and np.array_equal(rl.numpy(), wrl)
+    pred2 = torch.empty(B, H, N)
+    torch.ops.gvr.prr_ema_scores(L, T, known, tok, pred2, rl, 0.5, G, 1, 2)
+    assert same_bits(pred2.numpy(), want)
+
+    def step(L, T, known, tok, s, pred, rl):
+        torch.ops.gvr.prr_ema_update_predict(L, T, known, tok, s, pred, rl, 0.25, 0.75, 0.5, G, 1, 2)
+        return pred.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    s = torch.from_numpy(rng.standard_normal((B, H, N)).astype(F))
+    compiled(L, T, known, tok, s, pred, rl)
+    ref.update(s.numpy(), tok.numpy(), block_size=G)
+    assert same_bits(L.numpy(), ref.level)
+    assert same_bits(pred.numpy(), ref.predicted_scores(tok.numpy(), block_size=G, keep_first=1, keep_last=2)[0])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 (which test_prr_ema.py checks against NumPy): the state bit for bit (every float32 operation is
 __fmul_rn / __fadd_rn / __fsub_rn, in the C path's order), the predicted selections exactly, the
 calibration's hit rates bit for bit (canonical float64 sums) and so its choice, CUDA-graph capture of
-predict + update, bad inputs. (The calibration time belongs to the benchmark, not to a test.)
+predict + update, bad inputs. The fused update_predict (token counts, keep ranges) against the CPU's bit
+for bit, against update then predict on CUDA and the NumPy reference of test_prr_ema.py where the
+device clamps (scores narrower than a row's block count, token counts out of range), its CUDA-graph
+capture and torch.compile. (The calibration time belongs to the benchmark, not to a test.)
 
 Every test is collected; each is skipped, with the reason, where torch with a CUDA device or gvr's
 CUDA library is missing (conftest.py, harness.gpu_skip_reason).
@@ -14,6 +17,7 @@ import pytest
 from gvr import data
 from gvr._prr_ema import EMAPredictor, calibrate, calibration_hit_rates
 from harness import torch_or_none
+from test_prr_ema import RefEMA, blocks_of
 
 torch = torch_or_none()
 
@@ -228,6 +232,155 @@ def test_torch_compile_of_a_decode_step():
         ref.update(s, nb)
         assert np.array_equal(_sets(got), _sets(want)), i
     assert _same(pr.level, ref.level)
+
+
+# --------------------------------------------------------------------------------------------------
+# update_predict (one kernel), token counts, keep ranges
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("N", [37, 2048, 9000])
+@pytest.mark.parametrize("G, keep", [(1, (0, 0)), (16, (1, 2)), (5, (40, 3))])
+def test_update_predict_equals_the_cpu(N, G, keep):
+    rng = np.random.default_rng(N + G)
+    max_batch, H, k = 4, 4, 16
+    kf, kl = keep
+    gpu = EMAPredictor(max_batch, H, N, alpha=0.3, beta=0.6, phi=0.75, device="cuda")
+    cpu = EMAPredictor(max_batch, H, N, alpha=0.3, beta=0.6, phi=0.75)
+    B = 3  # < max_batch
+    tokens = np.array([0, (N // 3) * G + 1, N * G - G // 2], np.int32)
+    out_g = torch.full((B, H, k), 7, dtype=torch.int32, device="cuda")
+    out_c = np.full((B, H, k), 7, np.int32)
+    for step in range(10):
+        s = (rng.standard_normal((B, H, N)) * 2).astype(F)
+        s[rng.random(s.shape) < 0.03] = -np.inf
+        s[rng.random(s.shape) < 0.01] = np.nan
+        tg = torch.from_numpy(tokens).cuda()
+        g = gpu.update_predict(torch.from_numpy(s).cuda(), tg, k, out_g, block_size=G, keep_first=kf, keep_last=kl)
+        c = cpu.update_predict(s, tokens, k, out_c, block_size=G, keep_first=kf, keep_last=kl)
+        torch.cuda.synchronize()
+        assert g is out_g and c is out_c
+        assert np.array_equal(_sets(g), _sets(c)), step
+        assert _same(gpu._pred[:B], cpu._pred[:B]) and _same(gpu._row_len[:B], cpu._row_len[:B]), step
+        assert _same(gpu.level[:B], cpu.level[:B]) and _same(gpu.trend[:B], cpu.trend[:B])
+        assert _same(gpu.known[:B], cpu.known[:B])
+        # the predict kernel with the same keywords gives the fused kernel's scores
+        gp, gl = gpu.predicted_scores(tg, block_size=G, keep_first=kf, keep_last=kl)
+        torch.cuda.synchronize()
+        assert _same(gp, cpu._pred[:B]) and _same(gl, cpu._row_len[:B]), step
+        tokens = np.minimum(tokens + rng.integers(0, 3 * G, B), N * G).astype(np.int32)
+
+
+@pytest.mark.parametrize("G, keep", [(1, (0, 0)), (4, (1, 2)), (3, (5, 5))])
+def test_update_predict_equals_update_then_predict_where_the_device_clamps(G, keep):
+    # scores narrower than a row's block count (Ns < nb: the blocks beyond Ns stay new, +inf), token
+    # counts below 0 and beyond max_blocks * G (clamped on the device, rejected on the CPU)
+    rng = np.random.default_rng(G)
+    B, H, N, k = 4, 3, 64, 10
+    kf, kl = keep
+    fused = EMAPredictor(B, H, N, alpha=0.45, beta=0.35, phi=0.9, device="cuda")
+    split = EMAPredictor(B, H, N, alpha=0.45, beta=0.35, phi=0.9, device="cuda")
+    ref = RefEMA(B, H, N, 0.45, 0.35, 0.9)
+    tokens = np.array([-5, 0, 7, 40 * G + 1], np.int32)
+    out = torch.empty(B, H, k, dtype=torch.int32, device="cuda")
+    for step in range(12):
+        Ns = 20 + 3 * step
+        s = (rng.standard_normal((B, H, Ns)) * 2).astype(F)
+        s[rng.random(s.shape) < 0.05] = -np.inf
+        s[rng.random(s.shape) < 0.03] = np.nan
+        sg, tg = torch.from_numpy(s).cuda(), torch.from_numpy(tokens).cuda()
+        got = fused.update_predict(sg, tg, k, out, block_size=G, keep_first=kf, keep_last=kl)
+        split.update(sg, tg, block_size=G)
+        want = split.predict(k, tg, block_size=G, keep_first=kf, keep_last=kl)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), step  # the same scores: the same Top-K, in the same order
+        for a, b in ((fused.level, split.level), (fused.trend, split.trend), (fused.known, split.known),
+                     (fused._pred, split._pred), (fused._row_len, split._row_len)):
+            assert _same(a, b), step
+        nb = blocks_of(tokens, G, N)
+        ref.update(s, nb)
+        assert _same(fused.level, ref.L) and _same(fused.trend, ref.T) and _same(fused.known, ref.known), step
+        assert _same(fused._pred, ref.scores(nb, kf, kl)), step
+        tokens = (tokens + rng.integers(0, 6 * G, B)).astype(np.int32)
+        tokens[0] = -5 if step % 2 else 0
+        tokens[3] = max(tokens[3], N * G + 10)  # beyond max_blocks: clamped to N
+
+
+def test_cuda_graph_capture_of_update_predict_replays_the_eager_steps():
+    rng = np.random.default_rng(5)
+    B, H, N, k, G = 2, 4, 300, 12, 16
+    kw = dict(block_size=G, keep_first=1, keep_last=2)
+    steps = [torch.from_numpy((rng.standard_normal((B, H, N))).astype(F)).cuda() for _ in range(6)]
+    lens = [torch.tensor([1600 + 170 * t, 800 + 330 * t], dtype=torch.int32, device="cuda") for t in range(6)]
+    eager = EMAPredictor(B, H, N, alpha=0.4, beta=0.3, phi=0.75, device="cuda")
+    want = []
+    for s, ln in zip(steps, lens):
+        want.append(eager.update_predict(s, ln, k, torch.empty(B, H, k, dtype=torch.int32, device="cuda"), **kw))
+
+    pr = EMAPredictor(B, H, N, alpha=0.4, beta=0.3, phi=0.75, device="cuda")
+    s_buf, ln_buf = torch.zeros_like(steps[0]), torch.zeros_like(lens[0])
+    out = torch.empty(B, H, k, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (loads the library, the Top-K kernels' attributes)
+        pr.update_predict(s_buf, ln_buf, k, out, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    pr.reset()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        pr.update_predict(s_buf, ln_buf, k, out, **kw)
+    pr.reset()  # the capture ran nothing; start from an empty state
+    addrs = (pr.level.data_ptr(), pr.trend.data_ptr(), pr.known.data_ptr(), pr._pred.data_ptr(), out.data_ptr())
+    for t, (s, ln) in enumerate(zip(steps, lens)):
+        s_buf.copy_(s)
+        ln_buf.copy_(ln)
+        g.replay()
+        torch.cuda.synchronize()
+        assert np.array_equal(_sets(out), _sets(want[t])), t
+    assert addrs == (pr.level.data_ptr(), pr.trend.data_ptr(), pr.known.data_ptr(), pr._pred.data_ptr(),
+                     out.data_ptr())
+    assert _same(pr.level, eager.level) and _same(pr.trend, eager.trend) and _same(pr.known, eager.known)
+    assert _same(pr._pred, eager._pred) and _same(pr._row_len, eager._row_len)
+
+
+def test_torch_compile_of_update_predict():
+    pr = EMAPredictor(1, 2, 64, device="cuda")
+    ref = EMAPredictor(1, 2, 64, device="cuda")
+    ln = torch.tensor([1000], dtype=torch.int32, device="cuda")  # 63 blocks of 16 tokens
+    out = torch.empty(1, 2, 8, dtype=torch.int32, device="cuda")
+    kw = dict(block_size=16, keep_first=1, keep_last=1)
+
+    def step(s):
+        pr.update_predict(s, ln, 8, out, **kw)
+        return out
+
+    f = torch.compile(step, fullgraph=True, backend="eager")
+    for i in range(3):
+        s = torch.randn(1, 2, 64, device="cuda")
+        got = f(s).clone()
+        want = ref.update_predict(s, ln, 8, torch.empty_like(out), **kw)
+        assert np.array_equal(_sets(got), _sets(want)), i
+    assert _same(pr.level, ref.level) and _same(pr._pred, ref._pred)
+
+
+def test_bad_update_predict_inputs_on_cuda_change_nothing():
+    pr = EMAPredictor(2, 2, 8, device="cuda")
+    nb = torch.tensor([8, 4], dtype=torch.int32, device="cuda")
+    s = torch.ones(2, 2, 8, device="cuda")
+    out = torch.zeros(2, 2, 3, dtype=torch.int32, device="cuda")
+    pr.update_predict(s, nb, 3, out)
+    torch.cuda.synchronize()
+    before = [a.clone() for a in (pr.level, pr.trend, pr.known, pr._pred, pr._row_len, out)]
+    for args, exc, name in [
+        ((s, nb, 3, torch.zeros(2, 2, 3, dtype=torch.int32)), ValueError, "out"),  # a CPU out
+        ((s, nb, 3, np.zeros((2, 2, 3), np.int32)), ValueError, "out"),
+        ((s, nb, 3, torch.zeros(2, 2, 3, dtype=torch.int64, device="cuda")), TypeError, "out"),
+        ((s.cpu(), nb, 3, out), ValueError, "scores"),  # CPU scores for CUDA state
+        ((s, nb.cpu(), 3, out), ValueError, "nblocks"),
+    ]:
+        with pytest.raises(exc, match=name):
+            pr.update_predict(*args)
+    torch.cuda.synchronize()
+    after = (pr.level, pr.trend, pr.known, pr._pred, pr._row_len, out)
+    assert all(_same(a, b) for a, b in zip(before, after))
 
 
 def test_bad_inputs_on_cuda():

@@ -323,6 +323,61 @@ def test_select_blocks_out_argument():
     assert np.array_equal(strided, want) and np.all(big[:, :, 1::2] == 99)
 
 
+def _scores_out_like(q, shape, fill=7.0):
+    """a float32 buffer in q's framework, filled with a sentinel"""
+    if torch is not None and isinstance(q, torch.Tensor):
+        return torch.full(shape, fill, dtype=torch.float32, device=q.device)
+    return np.full(shape, fill, np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+@pytest.mark.parametrize("lengths", ["ragged", None])
+@pytest.mark.parametrize("sort", [False, True])
+def test_select_blocks_scores_out_is_block_scores_without_keeps(dtype, reduce, lengths, sort):
+    rng = np.random.default_rng(25 + len(dtype) + (reduce == "sum") + 2 * sort)
+    c = make_case(rng, B=6, Hkv=2, GQ=3, D=24, P=4, G=8, max_pages=10, dtype=dtype, bad_pages=0.1)
+    _, _, ln, q = c.args()
+    if lengths is None:
+        ln = None
+    meta = meta_of(c)
+    B, Nb = 6, c.shape["Nb"]
+    for k, init, local in ((4, 1, 2), (0, 1, 2), (Nb, 3, 1), (2, 0, 0)):
+        want_sel = prr.select_blocks(q, meta, k, ln, block_size=8, group_reduce=reduce, init_blocks=init,
+                                     local_blocks=local, sorted=sort)
+        so = _scores_out_like(q, (B, 2, Nb))
+        sel = prr.select_blocks(q, meta, k, ln, block_size=8, group_reduce=reduce, init_blocks=init,
+                                local_blocks=local, sorted=sort, scores_out=so)
+        want = prr.block_scores(q, meta, ln, block_size=8, group_reduce=reduce, keep_first=0, keep_last=0)
+        assert np.array_equal(bits(so), bits(want)), f"k={k} init={init} local={local}"
+        assert np.array_equal(to_numpy(sel), to_numpy(want_sel)), "the selection changed with scores_out"
+        if init or local:
+            # the kept blocks were ranked at +inf but are handed back finite
+            kept = prr.block_scores(q, meta, ln, block_size=8, group_reduce=reduce, keep_first=init,
+                                    keep_last=local)
+            forced = (to_numpy(kept) == np.inf) & np.isfinite(to_numpy(so))
+            assert forced.any()
+
+
+def test_select_blocks_scores_out_strided_with_out_and_nan():
+    rng = np.random.default_rng(26)
+    c = make_case(rng, B=3, Hkv=2, GQ=2, D=16, P=8, G=8, max_pages=6, lengths=[48, 20, 0], bad_pages=0.1)
+    meta = meta_of(c)
+    Nb = c.shape["Nb"]
+    q = np.array(c.q)
+    q[1, 0, 5] = np.nan  # row 1, KV head 0: NaN scores, +inf in the keep ranges, NaN in scores_out
+    big = np.full((3, 3, Nb + 4), 5.0, np.float32)
+    so = big[:, ::2, 2:-2]  # strided along B, Hkv and with an offset; unit stride along Nb
+    out = np.full((3, 2, 3), 99, np.int32)
+    r = prr.select_blocks(q, meta, 3, c.lengths, block_size=8, out=out, scores_out=so)
+    assert r is out
+    assert np.array_equal(out, prr.select_blocks(q, meta, 3, c.lengths, block_size=8))
+    want = prr.block_scores(q, meta, c.lengths, block_size=8)
+    assert np.array_equal(bits(so), bits(want))
+    assert np.isnan(so[1, 0, :3]).all() and np.all(so[2] == -np.inf)
+    assert np.all(big[:, 1] == 5.0) and np.all(big[..., :2] == 5.0) and np.all(big[..., -2:] == 5.0)
+
+
 # --------------------------------------------------------------------------------------------------
 # frameworks, threads, ops
 # --------------------------------------------------------------------------------------------------
@@ -377,7 +432,7 @@ def test_determinism():
         assert all(np.array_equal(a, b) for a, b in zip(first, now))
 
 
-OPS = ["prr_block_metadata", "prr_update_block_metadata", "prr_block_scores"]
+OPS = ["prr_block_metadata", "prr_update_block_metadata", "prr_block_scores", "prr_select_scores"]
 
 
 @needs_torch
@@ -397,11 +452,45 @@ def test_opcheck_cpu():
     s, n = torch.ops.gvr.prr_block_scores(q, meta, ln, 8, "max", 1, 2)
     assert torch.equal(s, prr.block_scores(q, meta, ln, block_size=8, keep_first=1, keep_last=2))
     assert n.tolist() == [[(int(x) + 7) // 8] * 2 for x in ln]
+    torch.library.opcheck(torch.ops.gvr.prr_select_scores.default, (q, meta, ln, 8, "max", 1, 2))
+    torch.library.opcheck(torch.ops.gvr.prr_select_scores.default, (q, meta, None, 8, "sum", 0, 0))
+    s3, n3, raw = torch.ops.gvr.prr_select_scores(q, meta, ln, 8, "sum", 1, 2)
+    assert torch.equal(s3, prr.block_scores(q, meta, ln, block_size=8, group_reduce="sum", keep_first=1, keep_last=2))
+    assert torch.equal(n3, n)
+    assert torch.equal(raw, prr.block_scores(q, meta, ln, block_size=8, group_reduce="sum"))
 
 
 def _select_step(k, bt, start, end, q, meta):
     prr.update_block_metadata(meta, k, bt, start, end, block_size=8)
     return prr.select_blocks(q * 1.0, meta, 3, end, block_size=8), prr.block_scores(q, meta, end, block_size=8)
+
+
+def _select_with_scores_out(q, meta, end, so):
+    return prr.select_blocks(q, meta, 3, end, block_size=8, group_reduce="sum", init_blocks=1, local_blocks=1,
+                             scores_out=so)
+
+
+@needs_torch
+def test_compile_select_blocks_scores_out_matches_eager():
+    torch._dynamo.reset()
+    rng = np.random.default_rng(35)
+    c = make_case(rng, B=3, GQ=2, D=8, P=4, G=8, max_pages=6, bad_pages=0.1)
+    k, bt, ln, q = c.args("torch")
+    meta = prr.block_metadata(k, bt, ln, block_size=8)
+    Nb = c.shape["Nb"]
+    so_e, so_c = torch.full((3, 2, Nb), 7.0), torch.full((3, 2, Nb), 7.0)
+    want = _select_with_scores_out(q, meta, ln, so_e)
+    got = torch.compile(_select_with_scores_out, fullgraph=True, backend="aot_eager")(q, meta, ln, so_c)
+    assert torch.equal(got, want)
+    assert torch.equal(so_c, so_e)
+    assert torch.equal(so_c, prr.block_scores(q, meta, ln, block_size=8, group_reduce="sum"))
+    for bad, exc in ((torch.zeros((3, 2, Nb), dtype=torch.float64), TypeError),
+                     (torch.zeros((3, 2, Nb + 1)), ValueError), (torch.zeros((3, 1, Nb)), ValueError)):
+        torch._dynamo.reset()
+        snap = bad.clone()
+        with pytest.raises(exc, match=r"\bscores_out\b"):
+            torch.compile(_select_with_scores_out, backend="aot_eager")(q, meta, ln, bad)
+        assert torch.equal(bad, snap)
 
 
 @needs_torch
@@ -470,3 +559,39 @@ def test_bad_inputs_are_named_and_nothing_is_modified():
     _raises(TypeError, "local_blocks", sb, q, meta, 2, ln, block_size=8, local_blocks="2")
     for a, b in zip(snap, (k, bt, ln, q, meta)):
         assert np.array_equal(bits(a), bits(b))
+
+
+def test_bad_scores_out_is_named_and_nothing_is_modified():
+    rng = np.random.default_rng(41)
+    c = make_case(rng, B=3, GQ=2, D=8, P=4, G=8, max_pages=4)
+    k, bt, ln, q = c.k_cache, c.block_table, c.lengths, c.q
+    meta = prr.block_metadata(k, bt, ln, block_size=8)
+    Nb = c.shape["Nb"]
+    out = np.full((3, 2, 2), 99, np.int32)
+    sb = prr.select_blocks
+    ro = np.zeros((3, 2, Nb), np.float32)
+    ro.flags.writeable = False
+    bad = [
+        (TypeError, np.zeros((3, 2, Nb), np.float64)),
+        (TypeError, np.zeros((3, 2, Nb), np.float16)),
+        (TypeError, np.zeros((3, 2, Nb), np.int32)),
+        (ValueError, np.zeros((3, 2, Nb + 1), np.float32)),
+        (ValueError, np.zeros((2, 2, Nb), np.float32)),
+        (ValueError, np.zeros((3, 1, Nb), np.float32)),
+        (ValueError, np.zeros((3, 2 * Nb), np.float32)),
+        (ValueError, np.zeros((3, 2, 2 * Nb), np.float32)[..., ::2]),  # not unit stride along Nb
+        (ValueError, ro),
+    ]
+    snap = [x.copy() for x in (k, bt, ln, q, meta, out)]
+    for exc, so in bad:
+        so_snap = so.copy()
+        _raises(exc, "scores_out", sb, q, meta, 2, ln, block_size=8, out=out, scores_out=so)
+        _raises(exc, "scores_out", sb, q, meta, 2, None, block_size=8, scores_out=so)
+        assert np.array_equal(bits(so), bits(so_snap)), "a rejected scores_out was written"
+    for a, b in zip(snap, (k, bt, ln, q, meta, out)):
+        assert np.array_equal(bits(a), bits(b))
+    if torch is not None:
+        tq, tm = torch.from_numpy(q), torch.from_numpy(meta)
+        _raises(TypeError, "scores_out", sb, tq, tm, 2, block_size=8, scores_out=torch.zeros((3, 2, Nb),
+                                                                                            dtype=torch.float64))
+        _raises(ValueError, "scores_out", sb, tq, tm, 2, block_size=8, scores_out=torch.zeros((3, 2, Nb - 1)))

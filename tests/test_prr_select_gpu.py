@@ -177,6 +177,46 @@ def test_select_blocks_matches_cpu(dtype, k):
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("lengths", ["ragged", None])
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_select_blocks_scores_out_is_block_scores_without_keeps(dtype, D, reduce, lengths):
+    rng = np.random.default_rng(D + 3 * (reduce == "sum") + (lengths is None))
+    c = make_case(rng, B=8, Hkv=4, GQ=4, D=D, P=16, G=32, max_pages=80, dtype=dtype, bad_pages=0.05)
+    Nb = -(-80 * 16 // 32)
+    res = {}
+    for device in ("cuda", "cpu"):
+        kk, bt, ln, q = c.args("torch", device)
+        if lengths is None:
+            ln = None
+        meta = prr.block_metadata(kk, bt, ln, block_size=32)
+        for k, init, local in ((8, 1, 2), (0, 1, 2), (Nb, 2, 3), (5, 0, 0)):
+            want_sel = prr.select_blocks(q, meta, k, ln, block_size=32, group_reduce=reduce, init_blocks=init,
+                                         local_blocks=local, sorted=k == 8)
+            big = torch.full((8, 5, Nb + 8), 7.0, device=device)
+            so = big[:, 1:, 8:]  # an offset view, unit stride along Nb
+            sel = prr.select_blocks(q, meta, k, ln, block_size=32, group_reduce=reduce, init_blocks=init,
+                                    local_blocks=local, sorted=k == 8, scores_out=so)
+            want = prr.block_scores(q, meta, ln, block_size=32, group_reduce=reduce)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            assert same_bits(so, want), f"{device}: k={k} init={init} local={local}"
+            assert torch.equal(sel, want_sel), f"{device}: the selection changed with scores_out"
+            assert torch.all(big[:, 0] == 7.0) and torch.all(big[..., :8] == 7.0)
+            if init or local:
+                kept = prr.block_scores(q, meta, ln, block_size=32, group_reduce=reduce, keep_first=init,
+                                        keep_last=local)
+                assert ((kept == float("inf")) & torch.isfinite(so)).any()
+            res[device, k] = (so.cpu(), sel.cpu())
+    for k in (8, 0, Nb, 5):
+        assert same_bits(res["cuda", k][0], res["cpu", k][0]), "CUDA and CPU scores_out differ in bits"
+        # as sets (the order within a row is unspecified unless sorted)
+        g, c_ = (torch.sort(torch.where(x < 0, 1 << 30, x), dim=-1).values
+                 for x in (res["cuda", k][1], res["cpu", k][1]))
+        assert torch.equal(g, c_)
+
+
 # --------------------------------------------------------------------------------------------------
 # determinism, graphs, streams, compile
 # --------------------------------------------------------------------------------------------------
@@ -239,6 +279,36 @@ def test_cuda_graph_capture_of_update_and_select_replays_identically():
     assert same_bits(got_meta, meta) and torch.equal(got, out)
 
 
+def test_cuda_graph_capture_of_select_with_scores_out():
+    rng = np.random.default_rng(13)
+    c = make_case(rng, B=4, Hkv=8, GQ=4, D=128, P=16, G=64, max_pages=64, dtype="bfloat16")
+    k, bt, ln, q = c.args("torch", "cuda")
+    meta = prr.block_metadata(k, bt, ln, block_size=64)
+    static_q = q.clone()
+    out = torch.empty(4, 8, 16, dtype=torch.int32, device="cuda")
+    so = torch.empty(4, 8, meta.shape[2], dtype=torch.float32, device="cuda")
+
+    def step():
+        prr.select_blocks(static_q, meta, 16, ln, block_size=64, out=out, scores_out=so)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(2):
+        static_q.copy_(torch.randn_like(static_q))
+        out.fill_(7)
+        so.fill_(7.0)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, prr.select_blocks(static_q, meta, 16, ln, block_size=64))
+        assert same_bits(so, prr.block_scores(static_q, meta, ln, block_size=64))
+
+
 def test_non_default_stream_and_stream_argument():
     rng = np.random.default_rng(9)
     c = make_case(rng, B=2, Hkv=2, GQ=4, D=64, P=16, G=16, max_pages=32, dtype="float16")
@@ -281,6 +351,26 @@ def test_compile_matches_eager(backend):
         assert torch.equal(g_, w)
 
 
+def _select_scores_out(q, meta, end, so):
+    return prr.select_blocks(q, meta, 4, end, block_size=16, group_reduce="sum", scores_out=so)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_select_blocks_scores_out_matches_eager(backend):
+    torch._dynamo.reset()
+    rng = np.random.default_rng(14)
+    c = make_case(rng, B=3, Hkv=2, GQ=4, D=128, P=16, G=16, max_pages=16, dtype="bfloat16", bad_pages=0.05)
+    k, bt, ln, q = c.args("torch", "cuda")
+    meta = prr.block_metadata(k, bt, ln, block_size=16)
+    so_e = torch.full((3, 2, meta.shape[2]), 7.0, device="cuda")
+    so_c = so_e.clone()
+    want = _select_scores_out(q, meta, ln, so_e)
+    got = torch.compile(_select_scores_out, fullgraph=True, backend=backend)(q, meta, ln, so_c)
+    assert torch.equal(got, want)
+    assert same_bits(so_c, so_e)
+    assert same_bits(so_c, prr.block_scores(q, meta, ln, block_size=16, group_reduce="sum"))
+
+
 def test_opcheck_cuda():
     rng = np.random.default_rng(11)
     c = make_case(rng, B=2, Hkv=2, GQ=2, D=64, P=16, G=16, max_pages=4, dtype="bfloat16")
@@ -289,6 +379,7 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.gvr.prr_block_metadata.default, (k, bt, ln, 16))
     torch.library.opcheck(torch.ops.gvr.prr_update_block_metadata.default, (meta.clone(), k, bt, ln // 2, ln, 16))
     torch.library.opcheck(torch.ops.gvr.prr_block_scores.default, (q, meta, ln, 16, "max", 1, 2))
+    torch.library.opcheck(torch.ops.gvr.prr_select_scores.default, (q, meta, ln, 16, "max", 1, 2))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -319,3 +410,30 @@ def test_cuda_limits_are_named():
         prr.block_scores(q.float(), meta.float(), ln, block_size=16)
     with pytest.raises((ValueError, TypeError), match="lengths"):
         prr.block_metadata(k, bt, ln.cpu(), block_size=16)  # mixed devices
+
+
+def test_bad_scores_out_on_cuda_is_named_and_nothing_is_modified():
+    rng = np.random.default_rng(15)
+    c = make_case(rng, B=2, Hkv=2, GQ=2, D=64, P=16, G=16, max_pages=4, dtype="bfloat16")
+    k, bt, ln, q = c.args("torch", "cuda")
+    meta = prr.block_metadata(k, bt, ln, block_size=16)
+    Nb = meta.shape[2]
+    out = torch.full((2, 2, 3), 99, dtype=torch.int32, device="cuda")
+    snap = [x.clone() for x in (ln, q, meta, out)]
+    bad = [
+        (TypeError, torch.zeros(2, 2, Nb, dtype=torch.float64, device="cuda")),
+        (TypeError, torch.zeros(2, 2, Nb, dtype=torch.bfloat16, device="cuda")),
+        (ValueError, torch.zeros(2, 2, Nb + 1, device="cuda")),
+        (ValueError, torch.zeros(2, 1, Nb, device="cuda")),
+        (ValueError, torch.zeros(3, 2, Nb, device="cuda")),
+        (ValueError, torch.zeros(2, 2, 2 * Nb, device="cuda")[..., ::2]),  # not unit stride along Nb
+        ((ValueError, TypeError), torch.zeros(2, 2, Nb)),  # on the CPU while q is on CUDA
+    ]
+    for exc, so in bad:
+        so_snap = so.clone()
+        with pytest.raises(exc, match=r"\bscores_out\b"):
+            prr.select_blocks(q, meta, 3, ln, block_size=16, out=out, scores_out=so)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(so), bits(so_snap)), "a rejected scores_out was written"
+    for a, b in zip(snap, (ln, q, meta, out)):
+        assert torch.equal(bits(a), bits(b)) if a.is_floating_point() else torch.equal(a, b)

@@ -6,7 +6,8 @@
  * an FMA (-ffp-contract=off is the ISO default; clang contracts only within one expression), so each
  * operation rounds as NumPy's float32 arithmetic and the CUDA path's __fmul_rn / __fadd_rn do.
  *
- * predict / update: one unit per row (b, h), a plain loop over the row's blocks.
+ * predict / update: one unit per row (b, h), a plain loop over the row's blocks; the fused update +
+ * predict (pred or row_len given to update) predicts each row right after updating it, in its unit.
  * calibrate: the per-step ground truth (the Top-K of scores[t] in ascending index order, the row
  * minimum and the denominator) is computed once, in parallel over steps; then one unit per grid point
  * runs the predictor over the trajectory: per step, the prediction's Top-K threshold by a radix select
@@ -60,26 +61,53 @@ static inline void ema_new1(float *Lp, float *Tp, float s)
 
 static inline int32_t clamp_i32(int32_t v, int32_t lo, int32_t hi) { return v < lo ? lo : v > hi ? hi : v; }
 
+/* the row's block count nb: nblocks[b] (block counts, block_size <= 1) or ceil(nblocks[b] / block_size)
+ * (token counts; a negative count is 0), clamped to [0, N] */
+static inline int32_t row_blocks(const gvr_ema_params *p, int64_t b)
+{
+    int32_t n = p->nblocks[b];
+    if (p->block_size > 1)
+        n = n > 0 ? (n - 1) / p->block_size + 1 : 0; /* ceil without overflow */
+    return clamp_i32(n, 0, p->N);
+}
+
 /* ---- predict / update ------------------------------------------------------------------------- */
+
+/* the prediction of row (b, h) with block count nb and kn = min(known, nb) blocks of state: pred[j]
+ * for j < W (the header's order: forced keep ranges, the state, new blocks, no block), row_len */
+static void predict_into(const gvr_ema_params *p, int64_t b, int64_t h, int32_t nb, int32_t kn)
+{
+    const float *L = p->level + b * p->level_stride_b + h * p->level_stride_h;
+    const float *T = p->trend + b * p->trend_stride_b + h * p->trend_stride_h;
+    const int32_t W = p->W;
+    const int32_t a = kn < W ? kn : W, c = nb < W ? nb : W;
+    if (p->pred && W > 0) {
+        float *out = p->pred + b * p->pred_stride_b + h * p->pred_stride_h;
+        for (int32_t j = 0; j < a; j++)
+            out[j] = ema_predict1(L[j], T[j], p->phi);
+        for (int32_t j = a; j < c; j++)
+            out[j] = INFINITY;
+        for (int32_t j = c; j < W; j++)
+            out[j] = -INFINITY;
+        /* the keep ranges: j < keep_first, nb - keep_last <= j (j < nb) */
+        const int32_t kf = p->keep_first < c ? p->keep_first : c;
+        for (int32_t j = 0; j < kf; j++)
+            out[j] = INFINITY;
+        const int32_t kl = p->keep_last < nb ? p->keep_last : nb;
+        for (int32_t j = nb - kl; j < c; j++)
+            out[j] = INFINITY;
+    }
+    if (p->row_len)
+        p->row_len[b * p->row_len_stride_b + h * p->row_len_stride_h] = c;
+}
 
 static int predict_row(void *ctx, int64_t row)
 {
     const gvr_ema_params *p = (const gvr_ema_params *)ctx;
     const int64_t b = row / p->H, h = row - b * p->H;
-    const float *L = p->level + b * p->level_stride_b + h * p->level_stride_h;
-    const float *T = p->trend + b * p->trend_stride_b + h * p->trend_stride_h;
-    float *out = p->pred + b * p->pred_stride_b + h * p->pred_stride_h;
-    const int32_t nb = clamp_i32(p->nblocks[b], 0, p->N);
+    const int32_t nb = row_blocks(p, b);
     const int32_t kn = clamp_i32(p->known[b * p->known_stride_b + h * p->known_stride_h], 0, nb);
-    const int32_t W = p->W;
-    const int32_t a = kn < W ? kn : W, c = nb < W ? nb : W;
-    for (int32_t j = 0; j < a; j++)
-        out[j] = ema_predict1(L[j], T[j], p->phi);
-    for (int32_t j = a; j < c; j++)
-        out[j] = INFINITY;
-    for (int32_t j = c; j < W; j++)
-        out[j] = -INFINITY;
-    p->row_len[b * p->row_len_stride_b + h * p->row_len_stride_h] = c;
+    predict_into(p, b, h, nb, kn);
     return 0;
 }
 
@@ -91,6 +119,8 @@ int prr_ema_predict_cpu(const gvr_ema_params *p)
     return gvr_parallel_rows(rows, rows * (p->W > 0 ? p->W : 1), predict_row, (void *)p);
 }
 
+/* the update of row (b, h); with pred or row_len (fused), then its prediction: known = nu after the
+ * update, nu <= nb, so predict_row's kn is nu */
 static int update_row(void *ctx, int64_t row)
 {
     const gvr_ema_params *p = (const gvr_ema_params *)ctx;
@@ -99,9 +129,8 @@ static int update_row(void *ctx, int64_t row)
     float *T = p->trend + b * p->trend_stride_b + h * p->trend_stride_h;
     const float *s = p->scores + b * p->scores_stride_b + h * p->scores_stride_h;
     int32_t *known = p->known + b * p->known_stride_b + h * p->known_stride_h;
-    int32_t nu = clamp_i32(p->nblocks[b], 0, p->N);
-    if (nu > p->Ns)
-        nu = p->Ns;
+    const int32_t nb = row_blocks(p, b);
+    const int32_t nu = nb < p->Ns ? nb : p->Ns;
     const int32_t kn = clamp_i32(*known, 0, nu);
     const float alpha = p->alpha, beta = p->beta, phi = p->phi;
     const float om = 1.0f - alpha, ob = 1.0f - beta;
@@ -110,6 +139,8 @@ static int update_row(void *ctx, int64_t row)
     for (int32_t j = kn; j < nu; j++)
         ema_new1(&L[j], &T[j], s[j]);
     *known = nu;
+    if (p->pred || p->row_len)
+        predict_into(p, b, h, nb, nu);
     return 0;
 }
 
@@ -118,7 +149,8 @@ int prr_ema_update_cpu(const gvr_ema_params *p)
     if (p->B <= 0 || p->H <= 0)
         return 0;
     const int64_t rows = (int64_t)p->B * p->H;
-    return gvr_parallel_rows(rows, rows * (p->N > 0 ? p->N : 1), update_row, (void *)p);
+    const int64_t per_row = (p->N > 0 ? p->N : 1) + (p->pred && p->W > 0 ? p->W : 0);
+    return gvr_parallel_rows(rows, rows * per_row, update_row, (void *)p);
 }
 
 /* ---- exact Top-K membership: threshold key and tie cut ---------------------------------------- */

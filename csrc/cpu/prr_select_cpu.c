@@ -9,7 +9,8 @@
  * prr_block_scores_cpu: one unit per (row b, KV head h): the GQA group's query rows converted to float
  * once, then per block the meta rows converted and each head's sum formed in the order gvr_kernels.h
  * defines (chunks of 8 channels left to right, then the tree over chunks), which the CUDA kernel
- * follows too. Built with -std=c11 (no FP contraction) and without -ffast-math: gcc keeps that order. */
+ * follows too. Built with -std=c11 (no FP contraction) and without -ffast-math: gcc keeps that order.
+ * With raw_scores a kept block's score is formed too (for raw_scores; scores takes +inf). */
 #include "prr_select_cpu.h"
 
 #include "elem.h"
@@ -210,6 +211,7 @@ static int scores_unit(void *vctx, int64_t unit)
     if (p->counts)
         p->counts[b * p->counts_stride_b + h * p->counts_stride_h] = (int32_t)nb;
     float *out = p->scores + b * p->scores_stride_b + h * p->scores_stride_h;
+    float *raw = p->raw_scores ? p->raw_scores + b * p->raw_stride_b + h * p->raw_stride_h : NULL;
     const int L = (D + 7) / 8;
     float *scratch = malloc(((size_t)GQ * D + 2 * (size_t)D + (size_t)L + 1) * sizeof(float));
     if (!scratch)
@@ -222,14 +224,19 @@ static int scores_unit(void *vctx, int64_t unit)
     for (int64_t j = 0; j < p->Nb; j++) {
         if (j >= nb) {
             out[j] = -INFINITY;
+            if (raw)
+                raw[j] = -INFINITY;
             continue;
         }
         const char *m0 = mrow + (size_t)(j * p->meta_stride_j) * es, *m1 = m0 + (size_t)p->meta_stride_m * es;
         if (key0(p->dtype, m0) > key0(p->dtype, m1)) { /* empty */
             out[j] = -INFINITY;
+            if (raw)
+                raw[j] = -INFINITY;
             continue;
         }
-        if (j < p->keep_first || j >= nb - p->keep_last) {
+        const int keep = j < p->keep_first || j >= nb - p->keep_last;
+        if (keep && !raw) {
             out[j] = INFINITY;
             continue;
         }
@@ -245,7 +252,9 @@ static int scores_unit(void *vctx, int64_t unit)
             else
                 r = (sg > r || sg != sg) ? sg : r;
         }
-        out[j] = r;
+        out[j] = keep ? INFINITY : r;
+        if (raw)
+            raw[j] = r;
     }
     free(scratch);
     return 0;

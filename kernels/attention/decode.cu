@@ -40,6 +40,7 @@ constexpr long long MIN_SPLIT_TOKENS = GVR_DECODE_MIN_SPLIT_TOKENS;
 
 struct Plan {
     int HC, nch, S;
+    int part_cta; /* partials through the token path, one entry per CTA (DecodeArgs::part_cta) */
     int cl; /* > 1: the S splits of a unit are one cluster, merged in rank 0's shared memory (no workspace) */
     long long units;
     size_t cnt_bytes, o_bytes, ml_bytes; /* workspace parts (0 when S == 1) */
@@ -74,6 +75,14 @@ Plan make_plan(const gvr_attention_params *p, int sms)
             S = MAX_SPLITS;
         if (S < 1)
             S = 1;
+    }
+    /* partials: one entry per CTA through the token path (all of a CTA's warps on the entry's tokens) when
+     * the entries fit the splits and the grid stays within two waves; otherwise the PART instances (one
+     * sub-warp per entry: H100, B=1, 64 entries of 64 tokens: ~51 us against ~20 for the same attention
+     * without partials) */
+    if (p->part_out && p->n >= 1 && p->n <= MAX_SPLITS && g.units * p->n <= 2 * target) {
+        S = p->n;
+        g.part_cta = 1;
     }
     g.S = (int)S;
     if (g.S > 1) {
@@ -134,7 +143,7 @@ cudaError_t plan_for(const gvr_attention_params *p, Plan *g)
     const int C = g->S;
     const bool dtype_ok = p->dtype == GVR_ELEM_F16 || p->dtype == GVR_ELEM_BF16;
     if (C > 1 && C <= MAX_CLUSTER && g->units * C <= sms && dtype_ok && gvr_attention_cuda_head_dim_ok(p->D) &&
-        visit_instance(p->dtype, p->part_out != nullptr, p->D, g->HC, [&](auto inst) { return inst.cluster_ok(dev, C); })) {
+        visit_instance(p->dtype, p->part_out != nullptr && !g->part_cta, p->D, g->HC, [&](auto inst) { return inst.cluster_ok(dev, C); })) {
         g->cl = C;
         g->cnt_bytes = g->o_bytes = g->ml_bytes = g->ws_bytes = 0;
     }
@@ -180,6 +189,12 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
                                 p->block_size);
     if ((p->part_out != nullptr) != (p->part_lse != nullptr))
         return gvr::set_message(1, "gvr_sparse_attention: part_out and part_lse go together");
+    if ((p->exclude || p->counts || p->cast_out) && (!p->accumulate || p->part_out))
+        return gvr::set_message(1, "gvr_sparse_attention: exclude, counts and cast_out belong to a repair (accumulate, no partials)");
+    if ((p->exclude && (p->nx < 0 || (p->Hx != 1 && p->Hx != p->Hsel))) || (p->counts && p->ncounts != 2 && p->ncounts != 4) ||
+        (p->cast_out && p->cast_dtype != GVR_ELEM_F32 && p->cast_dtype != GVR_ELEM_F16 && p->cast_dtype != GVR_ELEM_BF16))
+        return gvr::set_message(1, "gvr_sparse_attention: bad exclude (Hx = %d, nx = %d), counts (%d) or cast_out dtype (%d)",
+                                p->Hx, p->nx, p->ncounts, p->cast_dtype);
     /* 16-byte loads of K and V: 16-byte aligned bases, strides in multiples of 8 elements (q is read
      * element by element, once per CTA: any alignment) */
     const bool k_ok = aligned(p->k, 16) && p->k_stride_page % 8 == 0 && p->k_stride_tok % 8 == 0 && p->k_stride_head % 8 == 0;
@@ -253,18 +268,34 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
     a.part_lse = p->part_lse;
     a.pl_sb = p->part_lse_stride_b;
     a.pl_sh = p->part_lse_stride_h;
+    if (p->accumulate && !p->part_out) {
+        a.xidx = p->nx > 0 ? p->exclude : nullptr;
+        a.x_sb = p->exc_stride_b;
+        a.x_sh = p->Hx == 1 ? 0 : p->exc_stride_h;
+        a.nx = p->nx;
+        a.counts = (unsigned long long *)p->counts;
+        a.ncounts = p->ncounts;
+        a.cast = p->cast_out;
+        a.cast_dtype = p->cast_dtype;
+        a.cast_sb = p->cast_stride_b;
+        a.cast_sh = p->cast_stride_h;
+        a.cast_vec = p->cast_out && aligned(p->cast_out, p->cast_dtype == GVR_ELEM_F32 ? 16 : 8) &&
+                     p->cast_stride_b % 4 == 0 && p->cast_stride_h % 4 == 0;
+    }
+    a.count_all = p->Hsel != 1;
     a.Hkv = p->Hkv;
     a.GQ = p->Hq / p->Hkv;
     a.nch = g.nch;
     a.S = g.S;
     a.cl = g.cl;
+    a.part_cta = g.part_cta;
     if (g.S > 1 && g.cl <= 1) {
         char *ws = (char *)workspace;
         a.ws_cnt = (int *)ws;
         a.ws_o = (float *)(ws + g.cnt_bytes);
         a.ws_ml = (float *)(ws + g.cnt_bytes + g.o_bytes);
     }
-    e = visit_instance(p->dtype, p->part_out != nullptr, p->D, g.HC,
+    e = visit_instance(p->dtype, p->part_out != nullptr && !g.part_cta, p->D, g.HC,
                        [&](auto inst) { return inst.launch(a, (unsigned)grid, g.cl, stream); });
     if (e != cudaSuccess)
         return gvr::set_error("gvr_sparse_attention: kernel launch", e);

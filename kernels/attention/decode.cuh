@@ -77,7 +77,20 @@ struct DecodeArgs {
     int po_vec; /* part_out allows 16-byte vector stores */
     float *part_lse;
     long long pl_sb, pl_sh;
+    /* prr.repair's fused extras (gvr_attention_params): entries of idx found in the exclusion row skipped,
+     * (hits, entries) counted, the final out also written converted into cast */
+    const int32_t *xidx; /* NULL: nothing excluded */
+    long long x_sb, x_sh; /* x_sh 0 when one exclusion row serves every KV head */
+    int nx;
+    unsigned long long *counts; /* NULL or int64 [ncounts], ncounts 2 or 4: += (hits, entries >= 0) */
+    int ncounts;
+    int count_all; /* the idx row is per KV head (Hsel == Hkv): every KV head's unit counts its own row */
+    void *cast;
+    int cast_dtype, cast_vec;
+    long long cast_sb, cast_sh;
     int Hkv, GQ, nch, S;
+    int part_cta; /* partials through the token path: S == n (one entry per CTA), each CTA's state written as its
+                   * entry's partial (the PART instances' sub-warp-per-entry path serves the other plans) */
     int cl; /* > 1: the S splits of a unit are one cluster of S CTAs: ranks 1.. push their states into rank 0's
              * shared memory (st.async), rank 0 merges them (no workspace, no global round trip) */
     float *ws_o;   /* [units][S][HC][D] */
@@ -320,6 +333,13 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             }
         }
     }
+    /* the exclusion row (read through L1 by every thread that checks an entry: a warp's lanes mostly check
+     * one entry, so the loads broadcast) */
+    const int32_t *xrow = a.xidx ? a.xidx + (long long)b * a.x_sb + (long long)kvh * a.x_sh : nullptr;
+    /* (hits, entries >= 0) of this thread's entries: counted once per idx row (the first chunk of KV head 0
+     * when one row serves every KV head) */
+    const bool counting = a.counts != nullptr && chunk == 0 && (a.count_all || kvh == 0);
+    unsigned nhit = 0, nsel = 0;
     PROF(1);
     const bool blockmode = a.bt != nullptr;
     const int lraw = (blockmode && a.lengths) ? __ldg(a.lengths + b) : 0;
@@ -364,8 +384,28 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         }
     };
 
+    /* whether entry x occurs in the exclusion row (x < 0: no); per thread, no warp collectives */
+    auto excluded = [&](int x) -> bool {
+        bool hit = false;
+        if (x >= 0)
+            for (int j = 0; j < a.nx; j++)
+                hit |= __ldg(xrow + j) == x;
+        return hit;
+    };
+
     /* entry x, token i of it -> (page, slot), valid0 (the page still to check); issues the page load */
     auto resolve_issue = [&](int x, int i, int &pg, int &slot) -> bool {
+        if (xrow) {
+            const bool ex = excluded(x);
+            if (counting && i == 0 && x >= 0) {
+                nsel++;
+                nhit += ex;
+            }
+            if (ex)
+                return false;
+        } else if (counting && i == 0 && x >= 0) {
+            nsel++;
+        }
         if (x < 0)
             return false;
         if (blockmode) {
@@ -628,6 +668,17 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
                 PROF(3);
             }
         }
+        if (a.counts) { /* this warp's counts: integer sums, any order gives the same */
+            const unsigned hs = __reduce_add_sync(0xffffffffu, nhit), ss = __reduce_add_sync(0xffffffffu, nsel);
+            if (lane == 0 && ss) {
+                atomicAdd(a.counts, (unsigned long long)hs);
+                atomicAdd(a.counts + 1, (unsigned long long)ss);
+                if (a.ncounts == 4) {
+                    atomicAdd(a.counts + 2, (unsigned long long)hs);
+                    atomicAdd(a.counts + 3, (unsigned long long)ss);
+                }
+            }
+        }
         PROF(4);
     } else {
         /* ---- partials mode: sub-warp gsw takes entries e0 + gsw, e0 + gsw + NSUB, ... ---- */
@@ -792,6 +843,28 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
 
     constexpr int D4 = D / 4, ITEMS = HC * D4;
 
+    if constexpr (!PART) {
+        if (a.part_cta) { /* this CTA's one entry (e0 = s): its state alone, normalized, is the entry's partial */
+            for (int it = tid; it < ITEMS; it += THREADS) {
+                const int h = it / D4, d4 = it - h * D4;
+                if (h >= nh)
+                    continue;
+                float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                for (int i = 0; i < NW; i++)
+                    O = fma4(sm.wts[i][h], *(const float4 *)(sm.u.red + (i * HC + h) * D + d4 * 4), O);
+                const float M = sm.hM[h], Ls = sm.hL[h];
+                const bool empty = M == NEG_INF;
+                const float inv = empty ? 0.f : 1.f / Ls;
+                const long long hq = hq0 + h;
+                float *po = a.part_out + (long long)b * a.po_sb + hq * a.po_sh + e0 * a.po_se + d4 * 4;
+                store4(po, GVR_ELEM_F32, a.po_vec, make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv));
+                if (d4 == 0)
+                    a.part_lse[(long long)b * a.pl_sb + hq * a.pl_sh + e0] = empty ? NEG_INF : (M + log2f(Ls)) * LN2;
+            }
+        }
+    }
+
     /* this CTA's O of head h, elements [4 d4, 4 d4 + 4): the warps' rows of red combined with their weights */
     auto cta_o = [&](int h, int d4) {
         float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -810,6 +883,9 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         const int es = a.out_dtype == GVR_ELEM_F32 ? 4 : 2;
         char *op = (char *)a.out + (long long)es * ((long long)b * a.out_sb + hq * a.out_sh + d4 * 4);
         const bool empty = M == NEG_INF;
+        char *cp = a.cast ? (char *)a.cast + (long long)(a.cast_dtype == GVR_ELEM_F32 ? 4 : 2) *
+                                                 ((long long)b * a.cast_sb + hq * a.cast_sh + d4 * 4)
+                          : nullptr;
         if (!a.accumulate) {
             float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
             float lv = NEG_INF;
@@ -819,12 +895,17 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
                 lv = (M + log2f(Ls)) * LN2;
             }
             store4(op, a.out_dtype, a.out_vec, val);
+            if (cp)
+                store4(cp, a.cast_dtype, a.cast_vec, val);
             if (d4 == 0)
                 *lsep = lv;
             return;
         }
-        if (empty)
-            return; /* the prior state stays bit-identical */
+        if (empty) { /* the prior state stays bit-identical */
+            if (cp)
+                store4(cp, a.cast_dtype, a.cast_vec, load4f((const float *)op, a.out_vec));
+            return;
+        }
         const float inv = 1.f / Ls;
         const float4 vnew = make_float4(O.x * inv, O.y * inv, O.z * inv, O.w * inv);
         const float lb = (M + log2f(Ls)) * LN2, la = prior;
@@ -839,6 +920,8 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             lv = mm + logf(ws);
         }
         store4(op, GVR_ELEM_F32, a.out_vec, val);
+        if (cp)
+            store4(cp, a.cast_dtype, a.cast_vec, val);
         if (d4 == 0)
             *lsep = lv;
     };

@@ -5,10 +5,14 @@
  * the order of the header: the state and the predictions equal the C path (csrc/cpu/prr_ema_cpu.c)
  * bit for bit.
  *
- *  - predict: one CTA per (row, chunk of PRED_CHUNK blocks), a plain elementwise pass; row_len by
- *    chunk 0's thread 0.
+ *  - predict: one CTA per (row, chunk of PRED_CHUNK blocks), a plain elementwise pass (the keep ranges
+ *    forced +inf in it); row_len by chunk 0's thread 0.
  *  - update: one CTA per row (b, h): every thread reads known, a barrier, thread 0 writes the new
  *    count, then the row's blocks (no other CTA touches the row, so the read precedes the write).
+ *    Fused with the prediction (pred / row_len given): each thread also writes pred for its blocks j <
+ *    W from the state it just computed (still in registers), thread 0 row_len: one launch, the state
+ *    read once and written once, the same bits as predict after update.
+ *  - block counts: nblocks[b], or ceil(nblocks[b] / block_size) for token counts (block_size > 1).
  *  - calibrate, two launches:
  *    1. truth: one warp per step t >= 1: the row's keys in shared memory, the Top-kk threshold and
  *       tie cut by a warp radix select (the bits shared by the row's extreme keys skipped, then
@@ -90,6 +94,24 @@ __device__ __forceinline__ void ema_new1(float &L, float &T, float s)
 constexpr int ROW_THREADS = 256;
 constexpr int PRED_CHUNK = ROW_THREADS * 8;
 
+/* the row's block count nb (gvr_kernels.h): nblocks[b], or ceil(nblocks[b] / block_size) for token counts
+ * (block_size > 1; a negative count is 0), clamped to [0, N] */
+__device__ __forceinline__ int32_t row_blocks(const gvr_ema_params &p, int64_t b)
+{
+    int32_t n = p.nblocks[b];
+    if (p.block_size > 1)
+        n = n > 0 ? (n - 1) / p.block_size + 1 : 0; /* ceil without overflow */
+    return clamp_i32(n, 0, p.N);
+}
+
+/* pred[b, h, j] of a row with block count nb, kn blocks of state (kn <= nb) and the keep ranges' bounds
+ * kf = keep_first, kl = nb - keep_last; L, T: the block's state (read only where it is used) */
+__device__ __forceinline__ float predicted(int32_t j, int32_t nb, int32_t kn, int32_t kf, int32_t kl, float L,
+                                           float T, float phi)
+{
+    return j >= nb ? f_ninf() : (j < kf || j >= kl || j >= kn) ? f_pinf() : ema_predict1(L, T, phi);
+}
+
 __global__ void __launch_bounds__(ROW_THREADS) predict_kernel(gvr_ema_params p, int chunks)
 {
     pdl_enter();
@@ -98,45 +120,64 @@ __global__ void __launch_bounds__(ROW_THREADS) predict_kernel(gvr_ema_params p, 
         const int64_t row = u / chunks;
         const int c = (int)(u - row * chunks);
         const int64_t b = row / p.H, h = row - b * p.H;
-        const int32_t nb = clamp_i32(p.nblocks[b], 0, p.N);
+        const int32_t nb = row_blocks(p, b);
         const int32_t kn = clamp_i32(p.known[b * p.known_stride_b + h * p.known_stride_h], 0, nb);
+        const int32_t kl = nb - p.keep_last; /* >= -INT32_MAX: no overflow */
         const float *L = p.level + b * p.level_stride_b + h * p.level_stride_h;
         const float *T = p.trend + b * p.trend_stride_b + h * p.trend_stride_h;
         float *out = p.pred + b * p.pred_stride_b + h * p.pred_stride_h;
         const int32_t end = (int32_t)min((int64_t)p.W, (int64_t)(c + 1) * PRED_CHUNK);
-        for (int32_t j = c * PRED_CHUNK + (int)threadIdx.x; j < end; j += ROW_THREADS)
-            out[j] = j < kn ? ema_predict1(L[j], T[j], p.phi) : j < nb ? f_pinf() : f_ninf();
+        for (int32_t j = c * PRED_CHUNK + (int)threadIdx.x; j < end; j += ROW_THREADS) {
+            const bool state = j < kn && j >= p.keep_first && j < kl;
+            out[j] = predicted(j, nb, kn, p.keep_first, kl, state ? L[j] : 0.0f, state ? T[j] : 0.0f, p.phi);
+        }
         if (c == 0 && threadIdx.x == 0)
             p.row_len[b * p.row_len_stride_b + h * p.row_len_stride_h] = nb < p.W ? nb : p.W;
     }
 }
 
+/* the update of row (b, h) and, fused (pred or row_len given), its prediction right after: each thread
+ * predicts the blocks it updated from the new state in its registers (known = nu after the update, so
+ * predict's kn is nu) */
 __global__ void __launch_bounds__(ROW_THREADS) update_kernel(gvr_ema_params p)
 {
     pdl_enter();
     const int64_t rows = (int64_t)p.B * p.H;
     const float alpha = p.alpha, beta = p.beta, phi = p.phi;
     const float om = __fsub_rn(1.0f, alpha), ob = __fsub_rn(1.0f, beta);
+    const int32_t W = p.pred != nullptr ? p.W : 0; /* blocks of pred to write */
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
         const int64_t b = row / p.H, h = row - b * p.H;
-        int32_t nu = clamp_i32(p.nblocks[b], 0, p.N);
-        nu = nu < p.Ns ? nu : p.Ns;
+        const int32_t nb = row_blocks(p, b);
+        const int32_t nu = nb < p.Ns ? nb : p.Ns;
         int32_t *known = p.known + b * p.known_stride_b + h * p.known_stride_h;
         const int32_t kn = clamp_i32(*known, 0, nu);
         __syncthreads(); /* every thread has read known */
-        if (threadIdx.x == 0)
+        if (threadIdx.x == 0) {
             *known = nu;
+            if (p.row_len != nullptr)
+                p.row_len[b * p.row_len_stride_b + h * p.row_len_stride_h] = nb < p.W ? nb : p.W;
+        }
         float *L = p.level + b * p.level_stride_b + h * p.level_stride_h;
         float *T = p.trend + b * p.trend_stride_b + h * p.trend_stride_h;
         const float *s = p.scores + b * p.scores_stride_b + h * p.scores_stride_h;
-        for (int32_t j = (int)threadIdx.x; j < nu; j += ROW_THREADS) {
-            float l = L[j], t = T[j];
-            if (j < kn)
-                ema_update1(l, t, s[j], alpha, om, beta, ob, phi);
-            else
-                ema_new1(l, t, s[j]);
-            L[j] = l;
-            T[j] = t;
+        float *out = W > 0 ? p.pred + b * p.pred_stride_b + h * p.pred_stride_h : nullptr;
+        const int32_t kl = nb - p.keep_last;
+        const int32_t end = nu > W ? nu : W;
+        for (int32_t j = (int)threadIdx.x; j < end; j += ROW_THREADS) {
+            float l = 0.0f, t = 0.0f;
+            if (j < nu) {
+                l = L[j];
+                t = T[j];
+                if (j < kn)
+                    ema_update1(l, t, s[j], alpha, om, beta, ob, phi);
+                else
+                    ema_new1(l, t, s[j]);
+                L[j] = l;
+                T[j] = t;
+            }
+            if (j < W)
+                out[j] = predicted(j, nb, nu, p.keep_first, kl, l, t, phi);
         }
     }
 }

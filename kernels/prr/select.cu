@@ -19,7 +19,8 @@
  *    8-channel partial for every query head left to right (__fmul_rn, __fadd_rn: no FMA), the
  *    chunks summed by an xor butterfly (offsets L/2 .. 1: lane c < o adds lane c + o, the tree of
  *    gvr_kernels.h; lanes above get the same bits, addition being commutative), the heads combined
- *    in order. The same arithmetic in the same order as csrc/cpu/prr_select_cpu.c: bit for bit.
+ *    in order. The same arithmetic in the same order as csrc/cpu/prr_select_cpu.c: bit for bit. With
+ *    raw_scores the same lane also stores the score before the keep ranges (one pass for both).
  * No allocation, no synchronization, no host reads: graph-safe; deterministic. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -270,6 +271,7 @@ __global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_par
         __syncthreads();
         const uint16_t *mrow = static_cast<const uint16_t *>(p.meta) + b * p.meta_stride_b + h * p.meta_stride_h;
         float *out = p.scores + b * p.scores_stride_b + h * p.scores_stride_h;
+        float *raw = p.raw_scores ? p.raw_scores + b * p.raw_stride_b + h * p.raw_stride_h : nullptr;
 #pragma unroll 1
         for (int pass = 0; pass < SC_PASSES; pass++) {
             const int64_t j = (int64_t)tile * TILE + pass * BPC + slot;
@@ -308,14 +310,11 @@ __global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_par
                     r = (acc > r || isnan(acc)) ? acc : r;
             }
             if (j < p.Nb && c == 0) {
-                float sc;
-                if (!valid || empty)
-                    sc = -f_inf();
-                else if (j < p.keep_first || j >= nb - p.keep_last)
-                    sc = f_inf();
-                else
-                    sc = r;
-                out[j] = sc;
+                const float unforced = (!valid || empty) ? -f_inf() : r;
+                const bool keep = valid && !empty && (j < p.keep_first || j >= nb - p.keep_last);
+                out[j] = keep ? f_inf() : unforced;
+                if (raw)
+                    raw[j] = unforced;
             }
         }
     }
