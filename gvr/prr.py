@@ -19,8 +19,9 @@ block, state at fixed addresses) and ``calibrate`` (section 4.2: the grid point 
 score-weighted hit rate over the prefill trajectory).
 
 The runtime (section 4.3): ``SpeculativeAttention`` runs a layer's step — attention over the
-predicted blocks (on a side stream on CUDA) while the caller's selection runs, then missed / finalize /
-repair — in exact or superset mode, with the EMA or last-step predictor and hit rates;
+predicted blocks (on a side stream on CUDA) while the caller's selection runs, then finalize (exact
+mode) and one fused repair (``repair(..., exclude=predicted, counts=, cast_out=)``) — in exact or
+superset mode, with the EMA or last-step predictor and hit rates;
 ``quest_select`` builds a selection stage for it; ``Budget`` (section 4.4) measures, per context,
 the speculation ratio that makes the step fastest (0 where speculation does not pay).
 ``python -m gvr prr`` is its demo.
