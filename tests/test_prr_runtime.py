@@ -190,6 +190,22 @@ def test_predictions_with_padding_out_of_range_and_duplicates(mode):
         assert sa.last_hit_rate == pytest.approx(hit_counts(pred, sel)[0] / max(1, hit_counts(pred, sel)[1]), abs=0)
 
 
+def test_join_false_on_the_cpu_is_the_same_step():
+    """On the CPU join changes nothing: join=False steps equal join=True steps bit for bit; join() is a no-op."""
+    a, b = Decode(seed=21), Decode(seed=21)
+    sa_a, sa_b = a.runtime(predictor="ema", budget=1.0), b.runtime(predictor="ema", budget=1.0)
+    for t in range(4):
+        if t:
+            a.advance()
+            b.advance()
+        oa, la = sa_a.step(a.q, a.K, a.V, a.bt, a.lengths, a.select)
+        ob, lb = sa_b.step(b.q, b.K, b.V, b.bt, b.lengths, b.select, join=False)
+        sa_b.join()
+        assert np.array_equal(oa, ob) and np.array_equal(la, lb), t
+        assert np.array_equal(sa_a.prediction(a.B), sa_b.prediction(b.B)), t
+        assert list(sa_a.hit_counts) == list(sa_b.hit_counts), t
+
+
 @pytest.mark.parametrize("mode", ["exact", "superset"])
 def test_full_prediction_repairs_nothing(mode):
     """predicted == selected: the hit rate is 1 and the result is the reference's."""

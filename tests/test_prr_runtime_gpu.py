@@ -209,6 +209,41 @@ def test_graph_capture_of_one_step_replays_to_eager(cuda, mode, predictor):
     assert addrs == (graphed.state[0].data_ptr(), graphed.state[1].data_ptr(), graphed.prediction().data_ptr())
 
 
+@pytest.mark.parametrize("predictor", ["ema", "last"])
+def test_join_false_equals_join_true_and_captures_with_join(cuda, predictor):
+    """step(join=False) leaves the predictor on the side stream: the next step (or join()) takes it up; the
+    results, predictions and counts equal join=True steps bit for bit, eagerly and from a graph whose
+    capture ends with join()."""
+    c = Case(seed=17)
+    a_side, b_side = Side(c, "cuda"), Side(c, "cuda")
+    sa_a = c.runtime("cuda", mode="superset", predictor=predictor, budget=1.0)
+    sa_b = c.runtime("cuda", mode="superset", predictor=predictor, budget=1.0)
+    for t in range(4):
+        if t:
+            a_side.grow()
+            b_side.grow()
+        q = c.next()
+        oa, la = a_side.step(sa_a, q)
+        ob, lb = sa_b.step(q.cuda(), b_side.K, b_side.V, b_side.bt, b_side.lengths, b_side.select, join=False)
+        oa, la, ob, lb = oa.clone(), la.clone(), ob.clone(), lb.clone()
+        sa_b.join()  # before grow() changes lengths in place (the predictor reads them)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(oa), bits(ob)) and torch.equal(bits(la), bits(lb)), t
+        assert torch.equal(sa_a.prediction(), sa_b.prediction()), t
+        assert sa_a.hit_counts.tolist() == sa_b.hit_counts.tolist(), t
+    q_static = c.next().cuda()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_static, lse_static = sa_b.step(q_static, b_side.K, b_side.V, b_side.bt, b_side.lengths, b_side.select,
+                                           join=False)
+        sa_b.join()
+    g.replay()
+    o, l = a_side.step(sa_a, q_static)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out_static), bits(o)) and torch.equal(bits(lse_static), bits(l))
+    assert torch.equal(sa_a.prediction(), sa_b.prediction())
+
+
 def test_device_mismatch_is_named(cuda):
     c = Case(seed=13)
     gpu = Side(c, "cuda")
