@@ -465,6 +465,8 @@ class SpeculativeAttention:
 
     def step(self, q, k_cache, v_cache, block_table, lengths, select, *, scale=None, out=None, join=True):
         """One decode step of this layer -> ``(out, lse)`` (see the class docstring)."""
+        if not isinstance(join, (bool, np.bool_)):
+            raise TypeError(f"'join' must be a bool, got {type(join).__name__}")
         B = self._check_inputs(q, block_table, lengths, select, out)
         torch_io = _is_torch(q)
         cpu = self._torch is None

@@ -204,6 +204,11 @@ def test_join_false_on_the_cpu_is_the_same_step():
         assert np.array_equal(oa, ob) and np.array_equal(la, lb), t
         assert np.array_equal(sa_a.prediction(a.B), sa_b.prediction(b.B)), t
         assert list(sa_a.hit_counts) == list(sa_b.hit_counts), t
+    before = (sa_b.state[0].copy(), sa_b.state[1].copy(), sa_b.prediction(b.B).copy())
+    with pytest.raises(TypeError, match="'join'"):
+        sa_b.step(b.q, b.K, b.V, b.bt, b.lengths, b.select, join="yes")
+    after = (sa_b.state[0], sa_b.state[1], sa_b.prediction(b.B))
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))
 
 
 @pytest.mark.parametrize("mode", ["exact", "superset"])
