@@ -78,6 +78,11 @@ WORKLOADS = {
 GRID_CELLS = [("blocks64", 1024), ("blocks64", 4096), ("blocks64", 8192), ("blocks16", 8192), ("tokens", 2048)]
 GRID = {"full": {1: GRID_CELLS, 8: GRID_CELLS, 64: [("blocks64", 2048)] + GRID_CELLS},
         "quick": {1: GRID_CELLS, 64: [("blocks64", 2048), ("tokens", 2048)]}}
+# fp8 (e4m3fn) caches: (B, workload, selected tokens); per-tensor scales as a serving stack keeps them
+FP8_GRID = {"full": [(1, "blocks64", 1024), (1, "blocks64", 8192), (1, "tokens", 2048), (8, "blocks64", 4096),
+                     (64, "blocks64", 2048), (64, "tokens", 2048)],
+            "quick": [(1, "blocks64", 1024), (1, "blocks64", 8192), (1, "tokens", 2048), (64, "blocks64", 2048)]}
+FP8_SCALE = 4.0 / 448.0  # K, V ~ N(0, 1): |x| < 4 maps onto e4m3's range
 REPAIR_MISSED = (0, 1, 2, 4, 8, 16, 32, 64)
 REPAIR_PRED_BLOCKS = 64
 CPU_CELLS = [("blocks64", 8192), ("tokens", 2048)]
@@ -436,6 +441,99 @@ def attention_cell(gvr, torch, timer, cache, gen, wl, B, n, args, bw):
     return cell
 
 
+class Fp8Cache:
+    """The bf16 cache quantized to fp8 e4m3fn with one scale per tensor (x / FP8_SCALE rounded), the
+    views torch_gather reads."""
+
+    def __init__(self, torch, cache):
+        self.k = torch.empty(cache.k.shape, dtype=torch.float8_e4m3fn, device=cache.k.device)
+        self.v = torch.empty_like(self.k)
+        step = max(1, (256 << 20) // (P * HKV * D))
+        for dst, src in ((self.k, cache.k), (self.v, cache.v)):
+            for i in range(0, dst.shape[0], step):
+                # clamped to e4m3's range first: torch converts values past +-448 to NaN, not to +-448
+                dst[i:i + step] = (src[i:i + step].float() / FP8_SCALE).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+        self.block_table, self.context = cache.block_table, cache.context
+        self.k_rows, self.v_rows = self.k.view(-1, D), self.v.view(-1, D)
+        self.k_slots, self.v_slots = self.k.view(-1, HKV * D), self.v.view(-1, HKV * D)
+
+
+def fp8_cells(gvr, torch, timer, cache, gen, args, bw, grid):
+    """gvr over the fp8 cache (k_scale, v_scale) vs gvr over the bf16 cache and vs torch: gather the fp8 rows,
+    dequantize to bf16, SDPA (what a caller without an fp8 kernel runs). Floor = the selected fp8 bytes."""
+    dev = timer.device
+    c8 = Fp8Cache(torch, cache)
+    _sync(torch, dev)
+    F = torch.nn.functional
+    cells = []
+    for B, wl, n in grid:
+        spec = WORKLOADS[wl]
+        scale = 1.0 / math.sqrt(D)
+        sel = torch_selection(torch, dev, gen, cache.block_table, wl, B, n, cache.context)
+        q = torch.randn(B, HQ, D, generator=gen, device=dev).to(torch.bfloat16)
+        nbytes = kv_bytes(B, sel.n, 1)
+        cell = {"section": "fp8", "workload": wl, "n": sel.n, "b": B, "bytes": nbytes, "floor_us": H.floor_us(nbytes, bw),
+                "methods": {}, "correct": {}, "diff": {}}
+        errors = {}
+        out = torch.empty(B, HQ, D, dtype=q.dtype, device=dev)
+        lse = torch.empty(B, HQ, dtype=torch.float32, device=dev)
+        kw = {"block_table": cache.block_table[:B], "block_size": spec["G"]} if spec["table"] else {}
+        g = HQ // HKV
+
+        def gvr_fp8():
+            return gvr.sparse_attention(q, c8.k, c8.v, sel.idx, scale=scale, out=out, lse=lse, k_scale=FP8_SCALE,
+                                        v_scale=FP8_SCALE, **kw)
+
+        def gvr_bf16():
+            return gvr.sparse_attention(q, cache.k, cache.v, sel.idx, scale=scale, out=out, lse=lse, **kw)
+
+        def torch_fp8():
+            k, v = torch_gather(c8, sel, B)
+            k = k.to(torch.bfloat16) * FP8_SCALE
+            v = v.to(torch.bfloat16) * FP8_SCALE
+            return F.scaled_dot_product_attention(q.view(B, HKV, g, D), k, v, scale=scale).view(B, HQ, D)
+
+        # the reference: float32 attention over the dequantized rows
+        k, v = torch_gather(c8, sel, B)
+        qf = q.view(B, HKV, g, D).float()
+        sc = torch.einsum("bhgd,bhnd->bhgn", qf, k.float() * FP8_SCALE) * scale
+        ref_lse = torch.logsumexp(sc, -1).reshape(B, HQ)
+        ref_out = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(sc, -1), v.float() * FP8_SCALE).reshape(B, HQ, D)
+        del k, v, sc
+        tol = OUT_RTOL * float(ref_out.abs().max()) + 1e-6
+        try:
+            gvr_fp8()
+            _sync(torch, dev)
+            d_ref = float((out.float() - ref_out).abs().max())
+            d_lse = float((lse - ref_lse).abs().max())
+            cell["diff"].update({"gvr_fp8_vs_ref": d_ref, "lse_vs_ref": d_lse})
+            cell["correct"]["gvr_fp8"] = bool(math.isfinite(d_ref) and d_ref <= tol and d_lse <= LSE_ATOL)
+            to = torch_fp8()
+            _sync(torch, dev)
+            cell["diff"]["torch_fp8_vs_ref"] = float((to.float() - ref_out).abs().max())
+        except Exception as e:
+            traceback.print_exc()
+            errors["gvr_fp8"] = _err(e)
+            cell["correct"]["gvr_fp8"] = False
+            _sync(torch, dev)
+        _time_methods(cell, errors, (("gvr_fp8", gvr_fp8), ("gvr_bf16", gvr_bf16), ("torch_fp8", torch_fp8)), timer,
+                      args, torch, dev)
+        for m, r in cell["methods"].items():
+            for mode in ("warm", "cold", "cold_g"):
+                if mode in r:
+                    r[mode]["gbps"] = H.gbps(nbytes * (2 if m == "gvr_bf16" else 1), r[mode]["median_us"])
+        sp = {}
+        for mode in ("warm", "cold"):
+            sp[f"bf16_over_fp8_{mode}"] = H.ratio(value(cell, "gvr_bf16", mode), value(cell, "gvr_fp8", mode))
+            sp[f"torch_over_fp8_{mode}"] = H.ratio(value(cell, "torch_fp8", mode), value(cell, "gvr_fp8", mode))
+        cell["speedup"] = sp
+        _merge_errors(cell, errors)
+        cells.append(cell)
+        _print_row(FP8_HEADERS, fp8_row(cell), not cells[:-1])
+    del c8
+    return cells
+
+
 def repair_cells(gvr, torch, timer, cache, gen, args, bw, pred_blocks, missed_list):
     """prr.repair of m missed 64-token blocks (B = 1, Hsel = Hkv) against recomputing over
     predicted ∪ missed; one cell per m."""
@@ -605,6 +703,23 @@ def attention_row(c):
                    c.get("torch_form", "-"), _d(c.get("diff", {}).get("gvr_vs_torch")), _check(c)]
 
 
+FP8_HEADERS = ["sel", "tokens", "B", "cg:fp8", "cg:bf16", "cg:bf16/fp8", "c:torch(fp8)", "c:torch/fp8", "cg:GB/s",
+               "floor", "w:fp8", "w:bf16", "w:bf16/fp8", "max diff", "check"]
+
+
+def fp8_row(c):
+    head = [c["workload"], H.fmt_n(c["n"]), c["b"]]
+    if c.get("error") and not c.get("methods"):
+        return head + ["ERROR: " + c["error"].splitlines()[-1][:90]]
+    v = lambda m, mode: H.fmt_us(value(c, m, mode))  # noqa: E731
+    r = lambda a, b, mode: H.fmt_x(H.ratio(value(c, a, mode), value(c, b, mode)))  # noqa: E731
+    return head + [v("gvr_fp8", "cold_g"), v("gvr_bf16", "cold_g"), r("gvr_bf16", "gvr_fp8", "cold_g"),
+                   v("torch_fp8", "cold"), r("torch_fp8", "gvr_fp8", "cold"), _gb(c, "gvr_fp8", "cold_g"),
+                   H.fmt_us(c.get("floor_us")), v("gvr_fp8", "warm"), v("gvr_bf16", "warm"),
+                   r("gvr_bf16", "gvr_fp8", "warm"), _d(c.get("diff", {}).get("gvr_fp8_vs_ref")),
+                   "ok" if c.get("correct", {}).get("gvr_fp8") else "FAIL"]
+
+
 def repair_row(c):
     head = [c["missed"]]
     if c.get("error") and not c.get("methods"):
@@ -705,6 +820,17 @@ def run_cuda(gvr, torch, args, meta, simulate=False):
             first = False
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+    if not args.no_fp8 and hasattr(torch, "float8_e4m3fn"):
+        print(f"\n## fp8 (e4m3fn) caches, k_scale = v_scale = {FP8_SCALE:.4g}: gvr fp8 vs gvr bf16 vs torch (gather fp8, "
+              "dequantize, SDPA) (median us per call)", flush=True)
+        fgrid = FP8_GRID["quick" if args.quick else "full"] if not simulate else [(1, "blocks64", 256), (2, "tokens", 256)]
+        try:
+            cells += fp8_cells(gvr, torch, timer, cache, gen, args, bw, fgrid)
+        except Exception as e:
+            traceback.print_exc()
+            cells.append({"section": "fp8", "workload": "fp8", "n": None, "b": None, "error": _err(e)})
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     print(f"\n## prr.repair (B=1, predicted {pred_blocks} blocks of 64 tokens per KV head) vs recompute over "
           f"predicted ∪ missed (median us per call)", flush=True)
     print(H.format_table(REPAIR_HEADERS, []).split("\n")[0], flush=True)
@@ -852,6 +978,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="few cells (B=1 table, B=64 at 2K tokens, repair, merge) for the device check")
     p.add_argument("--cpu-only", action="store_true", help="the CPU section only (also what runs without CUDA)")
+    p.add_argument("--no-fp8", action="store_true", help="CUDA: skip the fp8-cache section")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="JSON output (default benchmarks/results_attention_<cuda|cpu>.json)")
     p.add_argument("--append-results", default=None, metavar="PATH", help="append a markdown section to PATH")
@@ -935,6 +1062,7 @@ def main(argv=None):
     sec = lambda s: [c for c in cells if c.get("section") == s]  # noqa: E731
     tables = [(t, hd, [fn(c) for c in sec(s)]) for t, s, hd, fn in (
         ("sparse_attention (c: cold L2, w: warm L2; torch = gather + SDPA)", "attention", ATTN_HEADERS, attention_row),
+        ("fp8 (e4m3fn) caches: gvr fp8 vs gvr bf16 vs torch gather + dequantize + SDPA", "fp8", FP8_HEADERS, fp8_row),
         ("prr.repair vs recompute over predicted ∪ missed", "repair", REPAIR_HEADERS, repair_row),
         ("merge_states, two [32 x 128] states", "merge", MERGE_HEADERS, merge_row),
         ("CPU, one core, float32", "cpu", CPU_HEADERS, cpu_row)) if sec(s)]

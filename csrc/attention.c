@@ -20,6 +20,7 @@
 #define I64 GVR_DT(GVR_DTYPE_I64)
 #define F32 GVR_DT(GVR_DTYPE_F32)
 #define U8 GVR_DT(GVR_DTYPE_U8)
+#define F8 GVR_DT(GVR_DTYPE_F8E4M3)
 #define ON_CALL (GVR_HOST | GVR_DEVICE)
 
 static int parse_float(PyObject *o, const char *name, float *v)
@@ -36,8 +37,8 @@ static int parse_float(PyObject *o, const char *name, float *v)
         PyErr_Format(PyExc_TypeError, "'%s' must be a float, got %s", name, Py_TYPE(o)->tp_name);
         return -1;
     }
-    if (!isfinite(d)) {
-        PyErr_Format(PyExc_ValueError, "'%s' must be finite, got %g", name, d);
+    if (!isfinite(d)) { /* PyErr_Format has no %g */
+        PyErr_Format(PyExc_ValueError, "'%s' must be finite, got %s", name, isnan(d) ? "nan" : d > 0 ? "inf" : "-inf");
         return -1;
     }
     *v = (float)d;
@@ -52,8 +53,9 @@ enum { Q, KC, VC, IDX, BT, LEN, OUT, LSE, POUT, PLSE, WS, EXC, CNT, CAST, ATT_NA
 
 static const gvr_arg_spec attention_args[ATT_NARGS] = {
     [Q] = {"q", FLOATS, "B,Hq,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
-    [KC] = {"k_cache", FLOATS, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, "q", NULL},
-    [VC] = {"v_cache", FLOATS, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, "q", NULL},
+    /* q's dtype or float8_e4m3fn, both the same (check_attention) */
+    [KC] = {"k_cache", FLOATS | F8, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
+    [VC] = {"v_cache", FLOATS | F8, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [IDX] = {"indices", I32, "B,Hsel,n", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [BT] = {"block_table", I32, "B,max_pages", ON_CALL, GVR_OPTIONAL | GVR_UNIT_LAST, NULL, NULL},
     [LEN] = {"lengths", I32, "B", ON_CALL, GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
@@ -72,11 +74,12 @@ const gvr_spec gvr_attention_spec = {"sparse_attention", ATT_NARGS, attention_ar
 
 const char gvr_attention_doc[] =
     "sparse_attention(q, k_cache, v_cache, indices, block_table, lengths, block_size, scale, out, lse,\n"
-    "                 part_out, part_lse, accumulate, workspace, stream, nosync, exclude, counts, cast_out)\n--\n\n"
-    "Attention over the selected entries of a paged KV cache into (out, lse); accumulate: merge into the\n"
-    "state (out float32, lse) already there (prr.repair), with its extras exclude (entries skipped),\n"
-    "counts (int64 [2] or [4], += hits and entries) and cast_out (the result converted). See\n"
-    "gvr.sparse_attention and gvr.prr.repair.";
+    "                 part_out, part_lse, accumulate, workspace, stream, nosync, exclude, counts, cast_out,\n"
+    "                 k_scale, v_scale)\n--\n\n"
+    "Attention over the selected entries of a paged KV cache (q's dtype or float8_e4m3fn, scaled by\n"
+    "k_scale / v_scale) into (out, lse); accumulate: merge into the state (out float32, lse) already there\n"
+    "(prr.repair), with its extras exclude (entries skipped), counts (int64 [2] or [4], += hits and\n"
+    "entries) and cast_out (the result converted). See gvr.sparse_attention and gvr.prr.repair.";
 
 /* Shape checks beyond the spec (the spec ties the named dimensions). */
 static int check_attention(const gvr_intake *in, const gvr_attention_params *p, int accumulate)
@@ -121,6 +124,17 @@ static int check_attention(const gvr_intake *in, const gvr_attention_params *p, 
         return -1;
     }
     const gvr_dtype qd = in->view[Q].dtype, od = in->view[OUT].dtype;
+    const gvr_dtype kd = in->view[KC].dtype, vd = in->view[VC].dtype;
+    if (kd != qd && kd != GVR_DTYPE_F8E4M3) {
+        PyErr_Format(PyExc_TypeError, "'k_cache' must be %s like 'q', or float8_e4m3fn, got %s", in->view[Q].dtype_str,
+                     in->view[KC].dtype_str);
+        return -1;
+    }
+    if (vd != kd) {
+        PyErr_Format(PyExc_TypeError, "'v_cache' must be %s like 'k_cache', got %s", in->view[KC].dtype_str,
+                     in->view[VC].dtype_str);
+        return -1;
+    }
     if (accumulate && od != GVR_DTYPE_F32) {
         PyErr_Format(PyExc_ValueError, "'out' of prr.repair must be float32 (a state meant to be repaired is kept in "
                      "float32), got %s", in->view[OUT].dtype_str);
@@ -179,7 +193,8 @@ static int check_attention(const gvr_intake *in, const gvr_attention_params *p, 
             PyErr_Format(PyExc_ValueError, "'q' on CUDA must have head dim D = 64, 128 or 256, got D = %d", p->D);
             return -1;
         }
-        /* the kernels read K and V in 16-byte pieces */
+        /* the kernels read K and V in pieces of 8 elements (16 bytes; 8 for fp8) */
+        const int piece = 8 * (int)in->view[KC].itemsize;
         const struct {
             const char *name;
             const void *ptr;
@@ -187,11 +202,11 @@ static int check_attention(const gvr_intake *in, const gvr_attention_params *p, 
         } vec[2] = {{"k_cache", p->k, {p->k_stride_page, p->k_stride_tok, p->k_stride_head}},
                     {"v_cache", p->v, {p->v_stride_page, p->v_stride_tok, p->v_stride_head}}};
         for (int i = 0; i < 2; i++)
-            if ((uintptr_t)vec[i].ptr % 16 || vec[i].s[0] % 8 || vec[i].s[1] % 8 || vec[i].s[2] % 8) {
-                PyErr_Format(PyExc_ValueError, "'%s' on CUDA must start on a 16-byte boundary with strides in "
-                             "multiples of 8 elements (16 bytes), got address %% 16 = %d and strides (%lld, %lld, "
-                             "%lld)", vec[i].name, (int)((uintptr_t)vec[i].ptr % 16), (long long)vec[i].s[0],
-                             (long long)vec[i].s[1], (long long)vec[i].s[2]);
+            if ((uintptr_t)vec[i].ptr % piece || vec[i].s[0] % 8 || vec[i].s[1] % 8 || vec[i].s[2] % 8) {
+                PyErr_Format(PyExc_ValueError, "'%s' on CUDA must start on a %d-byte boundary with strides in "
+                             "multiples of 8 elements (%d bytes), got address %% %d = %d and strides (%lld, %lld, "
+                             "%lld)", vec[i].name, piece, piece, piece, (int)((uintptr_t)vec[i].ptr % piece),
+                             (long long)vec[i].s[0], (long long)vec[i].s[1], (long long)vec[i].s[2]);
                 return -1;
             }
         if (p->Hq / p->Hkv > GVR_ATTN_MAX_GQA) {
@@ -210,6 +225,9 @@ static void fill_attention(const gvr_intake *in, gvr_attention_params *p)
                    *po = &in->view[POUT], *pl = &in->view[PLSE];
     memset(p, 0, sizeof *p);
     p->dtype = gvr_elem_of(q->dtype);
+    p->kv_dtype = gvr_elem_of(k->dtype);
+    p->k_scale = 1.0f;
+    p->v_scale = 1.0f;
     p->B = (int32_t)q->shape[0];
     p->Hq = (int32_t)q->shape[1];
     p->D = (int32_t)q->shape[2];
@@ -357,28 +375,30 @@ PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds
     (void)self;
     static char *kwlist[] = {"q", "k_cache", "v_cache", "indices", "block_table", "lengths", "block_size", "scale",
                              "out", "lse", "part_out", "part_lse", "accumulate", "workspace", "stream", "nosync",
-                             "exclude", "counts", "cast_out", NULL};
+                             "exclude", "counts", "cast_out", "k_scale", "v_scale", NULL};
     PyObject *obj[ATT_NARGS] = {NULL};
     PyObject *o_bs = NULL, *o_scale = Py_None, *o_acc = Py_False, *o_stream = Py_None, *o_nosync = NULL;
+    PyObject *o_ks = Py_None, *o_vs = Py_None;
     PyObject *result = NULL;
     int32_t *len_copy = NULL, *scratch = NULL;
     for (int i = 0; i < ATT_NARGS; i++)
         obj[i] = Py_None;
     gvr_intake in;
     gvr_intake_init(&in);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|OOOOOOOOOOOOOOO:sparse_attention", kwlist, &obj[Q], &obj[KC],
-                                     &obj[VC], &obj[IDX], &obj[BT], &obj[LEN], &o_bs, &o_scale, &obj[OUT], &obj[LSE],
-                                     &obj[POUT], &obj[PLSE], &o_acc, &obj[WS], &o_stream, &o_nosync, &obj[EXC],
-                                     &obj[CNT], &obj[CAST]))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|OOOOOOOOOOOOOOOOO:sparse_attention", kwlist, &obj[Q],
+                                     &obj[KC], &obj[VC], &obj[IDX], &obj[BT], &obj[LEN], &o_bs, &o_scale, &obj[OUT],
+                                     &obj[LSE], &obj[POUT], &obj[PLSE], &o_acc, &obj[WS], &o_stream, &o_nosync,
+                                     &obj[EXC], &obj[CNT], &obj[CAST], &o_ks, &o_vs))
         return NULL;
     unsigned nosync;
     intptr_t stream;
     Py_ssize_t bs = 1;
     int accumulate;
-    float scale = NAN;
+    float scale = NAN, k_scale = 1.0f, v_scale = 1.0f;
     if (gvr_parse_nosync(o_nosync, ATT_NARGS, &nosync) < 0 || gvr_parse_stream(o_stream, &stream) < 0 ||
         (o_bs && o_bs != Py_None && gvr_parse_int(o_bs, "block_size", &bs) < 0) ||
-        parse_float(o_scale, "scale", &scale) < 0 || gvr_parse_bool(o_acc, "accumulate", &accumulate) < 0)
+        parse_float(o_scale, "scale", &scale) < 0 || parse_float(o_ks, "k_scale", &k_scale) < 0 ||
+        parse_float(o_vs, "v_scale", &v_scale) < 0 || gvr_parse_bool(o_acc, "accumulate", &accumulate) < 0)
         goto fail;
     if (bs > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "'block_size' must be at most %d, got %zd", INT32_MAX, bs);
@@ -396,6 +416,8 @@ PyObject *gvr_py_sparse_attention(PyObject *self, PyObject *args, PyObject *kwds
     p.block_size = (int32_t)bs;
     p.accumulate = accumulate;
     p.scale = isnan(scale) ? (float)(1.0 / sqrt((double)(p.D ? p.D : 1))) : scale;
+    p.k_scale = k_scale;
+    p.v_scale = v_scale;
     if (check_attention(&in, &p, accumulate) < 0)
         goto fail;
     if (in.device == GVR_DEV_CUDA) {
@@ -453,6 +475,8 @@ PyObject *gvr_py_attention_workspace_size(PyObject *self, PyObject *args)
     gvr_attention_params p;
     memset(&p, 0, sizeof p);
     p.dtype = GVR_ELEM_BF16;
+    p.kv_dtype = GVR_ELEM_BF16; /* the plan does not depend on the element types */
+    p.k_scale = p.v_scale = 1.0f;
     p.B = B;
     p.Hq = Hq;
     p.Hkv = Hkv;

@@ -27,13 +27,13 @@ const char *gvr_device_str(gvr_device d)
 
 const char *gvr_dtype_str(gvr_dtype d)
 {
-    static const char *names[GVR_DTYPE_COUNT] = {"?", "float32", "float16", "bfloat16", "int32", "int64", "uint8"};
+    static const char *names[GVR_DTYPE_COUNT] = {"?", "float32", "float16", "bfloat16", "int32", "int64", "uint8", "float8_e4m3fn"};
     return (unsigned)d < GVR_DTYPE_COUNT ? names[d] : "?";
 }
 
 int gvr_dtype_size(gvr_dtype d)
 {
-    static const int sizes[GVR_DTYPE_COUNT] = {0, 4, 2, 2, 4, 8, 1};
+    static const int sizes[GVR_DTYPE_COUNT] = {0, 4, 2, 2, 4, 8, 1, 1};
     return (unsigned)d < GVR_DTYPE_COUNT ? sizes[d] : 0;
 }
 
@@ -86,6 +86,15 @@ static int set_dims(gvr_view *v, int ndim, const int64_t *shape, const int64_t *
     return 0;
 }
 
+/* whether the NumPy dtype d's scalar type is `name` (ml_dtypes names its types "ml_dtypes.<name>") */
+static int scalar_named(PyArray_Descr *d, const char *name)
+{
+    if (!d->typeobj || !d->typeobj->tp_name)
+        return 0;
+    const char *t = d->typeobj->tp_name, *dot = strrchr(t, '.');
+    return !strcmp(dot ? dot + 1 : t, name);
+}
+
 static int from_numpy(PyArrayObject *arr, int writable, gvr_view *v)
 {
     /* takes ownership of arr */
@@ -106,8 +115,10 @@ static int from_numpy(PyArrayObject *arr, int writable, gvr_view *v)
             v->dtype = GVR_DTYPE_I64;
         else if (d->kind == 'u' && size == 1)
             v->dtype = GVR_DTYPE_U8;
-        else if (d->kind == 'V' && size == 2 && d->typeobj && !strcmp(d->typeobj->tp_name, "bfloat16"))
+        else if (d->kind == 'V' && size == 2 && scalar_named(d, "bfloat16"))
             v->dtype = GVR_DTYPE_BF16; /* ml_dtypes.bfloat16 */
+        else if (d->kind == 'V' && size == 1 && scalar_named(d, "float8_e4m3fn"))
+            v->dtype = GVR_DTYPE_F8E4M3; /* ml_dtypes.float8_e4m3fn */
     }
     const int itemsize = gvr_dtype_size(v->dtype);
     v->itemsize = itemsize;
@@ -202,6 +213,16 @@ static void dl_dtype_str(gvr_DLDataType t, char *buf, size_t n)
     case GVR_DL_BFLOAT: base = "bfloat"; break;
     case 5: base = "complex"; break;
     case 6: base = "bool"; break;
+    }
+    /* DLPack 1.1's 8-bit float codes 7..14 carry their format in the name */
+    static const char *f8[] = {"float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
+                               "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"};
+    if (t.code >= 7 && t.code <= 14 && t.bits == 8) {
+        if (t.lanes == 1)
+            snprintf(buf, n, "%s", f8[t.code - 7]);
+        else
+            snprintf(buf, n, "%sx%u", f8[t.code - 7], (unsigned)t.lanes);
+        return;
     }
     if (t.lanes == 1)
         snprintf(buf, n, "%s%u", base, (unsigned)t.bits);
@@ -330,6 +351,8 @@ static int from_dlpack(PyObject *obj, int writable, intptr_t stream, gvr_view *v
             v->dtype = GVR_DTYPE_I64;
         else if (code == GVR_DL_UINT && bits == 8)
             v->dtype = GVR_DTYPE_U8;
+        else if (code == GVR_DL_FLOAT8_E4M3FN && bits == 8)
+            v->dtype = GVR_DTYPE_F8E4M3;
     }
     const int itemsize = gvr_dtype_size(v->dtype);
     v->itemsize = itemsize;

@@ -12,7 +12,7 @@
 
 #define GVR_VIEW_MAX_NDIM 5
 
-/* The dtypes gvr reads; uint8 is fp8 storage. GVR_DT(d) is d's bit in an accepted-dtypes mask. */
+/* The dtypes gvr reads; uint8 is raw bytes (e.g. a host cache's storage). GVR_DT(d) is d's bit in an accepted-dtypes mask. */
 typedef enum {
     GVR_DTYPE_OTHER = 0,
     GVR_DTYPE_F32,
@@ -21,6 +21,7 @@ typedef enum {
     GVR_DTYPE_I32,
     GVR_DTYPE_I64,
     GVR_DTYPE_U8,
+    GVR_DTYPE_F8E4M3, /* float8_e4m3fn (torch, DLPack code 10, ml_dtypes): fp8 KV caches */
     GVR_DTYPE_COUNT
 } gvr_dtype;
 #define GVR_DT(d) (1u << (d))

@@ -8,7 +8,8 @@
 
 int gvr_elem_of(gvr_dtype d)
 {
-    return d == GVR_DTYPE_F16 ? GVR_ELEM_F16 : d == GVR_DTYPE_BF16 ? GVR_ELEM_BF16 : GVR_ELEM_F32;
+    return d == GVR_DTYPE_F16 ? GVR_ELEM_F16 : d == GVR_DTYPE_BF16 ? GVR_ELEM_BF16 : d == GVR_DTYPE_F8E4M3 ? GVR_ELEM_E4M3
+                                                                                                      : GVR_ELEM_F32;
 }
 
 int gvr_run_on_device(const gvr_intake *in, gvr_cuda_call fn, const void *params, void *ws, size_t ws_bytes,

@@ -14,7 +14,7 @@ enum {
     GVR_DL_CUDA_MANAGED = 13,
 };
 
-enum { GVR_DL_INT = 0, GVR_DL_UINT = 1, GVR_DL_FLOAT = 2, GVR_DL_BFLOAT = 4 };
+enum { GVR_DL_INT = 0, GVR_DL_UINT = 1, GVR_DL_FLOAT = 2, GVR_DL_BFLOAT = 4, GVR_DL_FLOAT8_E4M3FN = 10 };
 
 typedef struct {
     int32_t device_type;

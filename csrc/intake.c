@@ -530,7 +530,7 @@ static int allocate(const gvr_spec *spec, const gvr_arg_spec *a, int ai, gvr_int
     int type = NPY_FLOAT32;
     for (int d = 1; d < GVR_DTYPE_COUNT; d++)
         if (a->dtypes & GVR_DT(d)) {
-            const int types[GVR_DTYPE_COUNT] = {0, NPY_FLOAT32, NPY_FLOAT16, -1, NPY_INT32, NPY_INT64, NPY_UINT8};
+            const int types[GVR_DTYPE_COUNT] = {0, NPY_FLOAT32, NPY_FLOAT16, -1, NPY_INT32, NPY_INT64, NPY_UINT8, -1};
             type = types[d];
             break;
         }

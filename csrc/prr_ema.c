@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "cpu/prr_ema_cpu.h"
@@ -35,7 +36,9 @@ static int parse_unit(PyObject *o, const char *name, int open, float *v)
     }
     const float f = (float)d;
     if (open ? !(f > 0.0f && f < 1.0f) : !(f >= 0.0f && f <= 1.0f)) {
-        PyErr_Format(PyExc_ValueError, "'%s' must lie in %s, got %g", name, open ? "(0, 1)" : "[0, 1]", d);
+        char num[32]; /* PyErr_Format has no %g */
+        snprintf(num, sizeof num, "%g", d);
+        PyErr_Format(PyExc_ValueError, "'%s' must lie in %s, got %s", name, open ? "(0, 1)" : "[0, 1]", num);
         return -1;
     }
     *v = f;
@@ -419,8 +422,10 @@ PyObject *gvr_py_prr_ema_calibrate(PyObject *self, PyObject *args, PyObject *kwd
             for (int c = 0; c < 3; c++) {
                 const float v = ((const float *)g->data)[i * g->strides[0] + c * g->strides[1]];
                 if (c < 2 ? !(v > 0.0f && v < 1.0f) : !(v >= 0.0f && v <= 1.0f)) {
-                    PyErr_Format(PyExc_ValueError, "'grid': every %s must lie in %s, got %g (point %lld)", what[c],
-                                 c < 2 ? "(0, 1)" : "[0, 1]", (double)v, (long long)i);
+                    char num[32];
+                    snprintf(num, sizeof num, "%g", (double)v);
+                    PyErr_Format(PyExc_ValueError, "'grid': every %s must lie in %s, got %s (point %lld)", what[c],
+                                 c < 2 ? "(0, 1)" : "[0, 1]", num, (long long)i);
                     goto fail;
                 }
                 grid_copy[i * 3 + c] = v;

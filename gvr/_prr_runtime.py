@@ -92,9 +92,10 @@ class SpeculativeAttention:
     dtype:       the dtype of the returned ``out`` buffer ("float32", "float16", "bfloat16"); None: q's,
                  made at the first step in that dtype (give it to capture the first step in a graph).
 
-    ``step(q, k_cache, v_cache, block_table, lengths, select, *, scale=None, out=None) -> (out, lse)``:
-    q ``[B, Hq, D]`` (B <= max_batch), the paged caches, ``block_table`` int32 ``[B, max_pages]`` and
-    ``lengths`` int32 ``[B]`` (or None) as ``gvr.sparse_attention`` takes them with
+    ``step(q, k_cache, v_cache, block_table, lengths, select, *, scale=None, out=None, join=True,
+    k_scale=None, v_scale=None) -> (out, lse)``: q ``[B, Hq, D]`` (B <= max_batch), the paged caches
+    (q's dtype or fp8 e4m3fn with ``k_scale`` / ``v_scale``), ``block_table`` int32 ``[B, max_pages]``
+    and ``lengths`` int32 ``[B]`` (or None) as ``gvr.sparse_attention`` takes them with
     ``block_size=block_size``.
 
     ``select(q)`` is the caller's selection stage. It returns ``selected`` -- int32 ``[B, Hkv, k]``
@@ -463,7 +464,8 @@ class SpeculativeAttention:
         self._pred.copy_(self._pred_next)
         self._fresh = False
 
-    def step(self, q, k_cache, v_cache, block_table, lengths, select, *, scale=None, out=None, join=True):
+    def step(self, q, k_cache, v_cache, block_table, lengths, select, *, scale=None, out=None, join=True, k_scale=None,
+             v_scale=None):
         """One decode step of this layer -> ``(out, lse)`` (see the class docstring)."""
         if not isinstance(join, (bool, np.bool_)):
             raise TypeError(f"'join' must be a bool, got {type(join).__name__}")
@@ -474,7 +476,8 @@ class SpeculativeAttention:
         pred = self._pred[:B]
         if cpu and torch_io:  # torch CPU callers: torch views of the NumPy buffers (gvr takes both)
             so, sl = self._view(so, True), self._view(sl, True)
-        akw = dict(block_table=block_table, lengths=lengths, block_size=self.block_size, scale=scale)
+        akw = dict(block_table=block_table, lengths=lengths, block_size=self.block_size, scale=scale, k_scale=k_scale,
+                   v_scale=v_scale)
         speculate = self.n_pred > 0
         ema = speculate and self.predictor is not None
         name = _dtype_name(q.dtype)

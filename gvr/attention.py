@@ -112,7 +112,7 @@ def _stream_for(q, fw, stream):
 
 
 def _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, partials,
-                   accumulate, stream, exclude=None, counts=None, cast_out=None):
+                   accumulate, stream, exclude=None, counts=None, cast_out=None, k_scale=None, v_scale=None):
     fw = framework(q)
     qs = _shape(q)
     if partials is not None:
@@ -132,7 +132,7 @@ def _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_siz
     arrays = (q, k_cache, v_cache, indices, block_table, lengths, out, lse, po, pl, ws, exclude, counts, cast_out)
     (aq, ak, av, ai, abt, aln, ao, al, apo, apl, aws, ax, ac, aco), stream, nosync = prepare(fw, q, arrays, stream)
     _C.sparse_attention(aq, ak, av, ai, abt, aln, block_size, scale, ao, al, apo, apl, accumulate, aws, stream,
-                        nosync, ax, ac, aco)
+                        nosync, ax, ac, aco, k_scale, v_scale)
     return out, lse
 
 
@@ -140,24 +140,24 @@ def _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_siz
 # torch.library ops (traced code only; eager calls run the functions above directly)
 # --------------------------------------------------------------------------------------------------
 _ATT = "Tensor q, Tensor k_cache, Tensor v_cache, Tensor indices, Tensor? lengths, Tensor? block_table, " \
-       "int block_size, float? scale"
+       "int block_size, float? scale, float? k_scale, float? v_scale"
 
 
-def _att_impl(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale):
+def _att_impl(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale, v_scale):
     return _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, None, None, None,
-                          False, None)
+                          False, None, k_scale=k_scale, v_scale=v_scale)
 
 
-def _att_fake(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale):
+def _att_fake(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale, v_scale):
     t = sys.modules["torch"]
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=t.float32)
 
 
-def _att_out_impl(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, part_out,
-                  part_lse, accumulate, exclude=None, counts=None, cast_out=None):
+def _att_out_impl(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale, v_scale, out, lse,
+                  part_out, part_lse, accumulate, exclude=None, counts=None, cast_out=None):
     partials = None if part_out is None and part_lse is None else (part_out, part_lse)
     _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, partials,
-                   accumulate, None, exclude, counts, cast_out)
+                   accumulate, None, exclude, counts, cast_out, k_scale, v_scale)
 
 
 def _none(*args):
@@ -179,29 +179,31 @@ def _check_traced_stream(stream, name):
 
 
 def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, partials,
-               accumulate, stream, name, exclude=None, counts=None, cast_out=None):
+               accumulate, stream, name, exclude=None, counts=None, cast_out=None, k_scale=None, v_scale=None):
     if compiling():
         _check_traced_stream(stream, name)
         if out is None and lse is None and partials is None and not accumulate:
-            return _att_op.call(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale)
+            return _att_op.call(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale,
+                                v_scale)
         if out is None:
             out = q.new_empty(q.shape)
         if lse is None:
             lse = q.new_empty(q.shape[:2], dtype=sys.modules["torch"].float32)
         po, pl = partials if partials is not None else (None, None)
-        _att_out_op.call(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, po, pl,
-                         accumulate, exclude, counts, cast_out)
+        _att_out_op.call(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale, v_scale,
+                         out, lse, po, pl, accumulate, exclude, counts, cast_out)
         return out, lse
     return _run_attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse,
-                          partials, accumulate, stream, exclude, counts, cast_out)
+                          partials, accumulate, stream, exclude, counts, cast_out, k_scale, v_scale)
 
 
 def sparse_attention(q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,
-                     out=None, lse=None, partials=None, stream=None):
+                     out=None, lse=None, partials=None, stream=None, k_scale=None, v_scale=None):
     """Decode attention over the selected entries of a paged KV cache -> ``(out, lse)``.
 
     q:         ``[B, Hq, D]`` float16 or bfloat16 (float32 too on the CPU), unit stride along D.
-    k_cache, v_cache: paged ``[num_pages, P, Hkv, D]`` in q's dtype, any strides with unit stride
+    k_cache, v_cache: paged ``[num_pages, P, Hkv, D]`` in q's dtype or fp8 (``torch.float8_e4m3fn``,
+               NumPy ``ml_dtypes.float8_e4m3fn``; both caches the same), any strides with unit stride
                along D: vLLM/FlashInfer NHD caches as they are, HND caches ``[num_pages, Hkv, P, D]``
                as ``.transpose(1, 2)``, K and V as separate tensors or views of one combined cache.
                GQA: Hq a multiple of Hkv (query head h reads KV head h // (Hq // Hkv)).
@@ -213,6 +215,9 @@ def sparse_attention(q, k_cache, v_cache, indices, *, lengths=None, block_table=
                Without it: physical token slots of the flattened cache (page = slot // P), block_size 1.
                Entries out of range name nothing (skipped like -1). An entry listed twice counts twice.
     scale:     softmax scale, default 1 / sqrt(D).
+    k_scale, v_scale: per-tensor cache scales (floats, default 1; any cache dtype, as vLLM's and
+               FlashInfer's fp8 caches carry them): attention over ``k_scale * K`` and ``v_scale * V``.
+               fp8 values are decoded exactly (e4m3fn: no infinities, S.1111.111 is NaN).
     out, lse:  where to write: out ``[B, Hq, D]`` in q's dtype or float32, lse float32 ``[B, Hq]`` (any
                strides); allocated in q's framework and device when None.
     partials:  ``(part_out, part_lse)`` float32 ``[B, Hq, n, D]`` and ``[B, Hq, n]``: also the state of
@@ -225,16 +230,16 @@ def sparse_attention(q, k_cache, v_cache, indices, *, lengths=None, block_table=
     and CPU tensors, CUDA for torch CUDA tensors and CuPy arrays.
     """
     return _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, partials,
-                      False, stream, "sparse_attention")
+                      False, stream, "sparse_attention", k_scale=k_scale, v_scale=v_scale)
 
 
 def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,
-           exclude=None, counts=None, cast_out=None, stream=None):
+           exclude=None, counts=None, cast_out=None, stream=None, k_scale=None, v_scale=None):
     """See gvr.prr.repair."""
     if out is None or lse is None:
         raise TypeError("prr.repair: 'out' and 'lse' (the state to repair, out float32) must be given")
     return _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, out, lse, None, True,
-                      stream, "prr.repair", exclude, counts, cast_out)
+                      stream, "prr.repair", exclude, counts, cast_out, k_scale, v_scale)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -49,12 +49,12 @@ __all__ = ["repair", "missed", "finalize", "block_metadata", "update_block_metad
 
 
 def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=None, block_size=1, scale=None,
-           exclude=None, counts=None, cast_out=None, stream=None):
+           exclude=None, counts=None, cast_out=None, stream=None, k_scale=None, v_scale=None):
     """Fold attention over ``indices`` into the state ``(out, lse)`` in place -> ``(out, lse)``.
 
     out: float32 ``[B, Hq, D]``, lse: float32 ``[B, Hq]`` — a state from ``gvr.sparse_attention(...,
     out=<float32>)``, a previous repair, ``finalize`` or ``merge_states`` (natural-log lse). The
-    other arguments are ``gvr.sparse_attention``'s. Afterwards ``(out, lse)`` is the state over the
+    other arguments are ``gvr.sparse_attention``'s (fp8 caches and ``k_scale`` / ``v_scale`` included). Afterwards ``(out, lse)`` is the state over the
     union (as multisets) of what it held and the entries of ``indices``; entries that are -1 or
     masked cost nothing, and an all-empty ``indices`` leaves the state bit for bit as it was. One
     kernel on CUDA (attention and merge fused), work proportional to the valid entries.
@@ -75,12 +75,12 @@ def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=
     """
     if compiling():
         _check_traced_stream(stream, "prr.repair")
-        _repair_op.call(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, exclude,
-                        counts, cast_out)
+        _repair_op.call(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale,
+                        v_scale, exclude, counts, cast_out)
         return out, lse
     return _repair(out, lse, q, k_cache, v_cache, indices, lengths=lengths, block_table=block_table,
                    block_size=block_size, scale=scale, exclude=exclude, counts=counts, cast_out=cast_out,
-                   stream=stream)
+                   stream=stream, k_scale=k_scale, v_scale=v_scale)
 
 
 def _run_missed(selected, predicted, out, stream, counts=None):
@@ -154,10 +154,11 @@ def finalize(partials, predicted, selected, *, out=None, lse=None, stream=None):
 
 
 # -- torch.library ops ------------------------------------------------------------------------------
-def _repair_impl(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, exclude=None,
-                 counts=None, cast_out=None):
+def _repair_impl(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale, v_scale,
+                 exclude=None, counts=None, cast_out=None):
     _repair(out, lse, q, k_cache, v_cache, indices, lengths=lengths, block_table=block_table,
-            block_size=block_size, scale=scale, exclude=exclude, counts=counts, cast_out=cast_out)
+            block_size=block_size, scale=scale, exclude=exclude, counts=counts, cast_out=cast_out,
+            k_scale=k_scale, v_scale=v_scale)
 
 
 def _missed_impl(selected, predicted):

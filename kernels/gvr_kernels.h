@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 14
+#define GVR_ABI_VERSION 15
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -117,8 +117,10 @@ int gvr_topk_decode(const gvr_topk_params *p, void *workspace, size_t workspace_
 /* ---- sparse attention, attention states, PRR repair --------------------------------------- */
 
 /* Element types of attention tensors (q, caches, states). The CUDA path serves F16 and BF16 q/caches
- * (and F32 states); the CPU path serves all three everywhere. */
-enum { GVR_ELEM_F32 = 0, GVR_ELEM_F16 = 1, GVR_ELEM_BF16 = 2 };
+ * (and F32 states); the CPU path serves all three everywhere. E4M3: OCP fp8 e4m3fn (sign, 4 exponent
+ * bits of bias 7, 3 mantissa bits; exponent 0 subnormal, S.1111.111 NaN, no infinities, max 448), for
+ * K/V caches only (kv_dtype), on both paths, decoded exactly. */
+enum { GVR_ELEM_F32 = 0, GVR_ELEM_F16 = 1, GVR_ELEM_BF16 = 2, GVR_ELEM_E4M3 = 3 };
 
 /* Limits of the CUDA path (the intake raises a ValueError naming them). */
 #define GVR_ATTN_MAX_GQA 16 /* Hq / Hkv */
@@ -151,7 +153,8 @@ static inline int gvr_attention_cuda_head_dim_ok(int D) { return D == 64 || D ==
  * Deterministic: how the entries are split over CTAs depends on the shapes and the device's SM count
  * only; the split states are merged in a fixed order. */
 typedef struct {
-    int32_t dtype; /* q, k, v: GVR_ELEM_* */
+    int32_t dtype;    /* q: GVR_ELEM_* (F32 on the CPU path only) */
+    int32_t kv_dtype; /* k, v: dtype, or GVR_ELEM_E4M3 */
     int32_t B, Hq, Hkv, D;
     const void *q;
     int64_t q_stride_b, q_stride_h;
@@ -170,6 +173,9 @@ typedef struct {
     const int32_t *lengths; /* [B], contiguous; NULL: max_pages * P (block-table mode only) */
     int32_t block_size;     /* G */
     float scale;
+    /* per-tensor cache scales (any kv_dtype; 1: none): the attention is over K' = k_scale * K and
+     * V' = v_scale * V (scores scale * q.K', lse with them, out = softmax . V') */
+    float k_scale, v_scale;
     void *out; /* [B, Hq, D], out_dtype (F32 when accumulate) */
     int32_t out_dtype;
     int64_t out_stride_b, out_stride_h;

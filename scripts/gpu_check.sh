@@ -23,6 +23,8 @@
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
 #   attnsan  compute-sanitizer memcheck + racecheck on the attention cases
+#   fp8      fp8 (e4m3fn) caches: their GPU tests (tests/test_attention_fp8_gpu.py), all failures listed
+#   fp8bench bench_attention.py --quick (with its fp8 section) -> $OUT/results_attention_quick.json
 #   attnab   A/B of attention kernels: scripts/attn_ab.py for the installed library and each carried build/ab_NAME.so.xz
 #   attnprofile  scripts/profile_attention_phases.py with -DGVR_PROFILE libraries carried as build/prof_NAME.so.xz
 #   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases
@@ -108,6 +110,19 @@ prrfused() {  # issue 13's fused step pieces: repair(exclude, counts, cast_out),
   (cd tests && timeout 420 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 test_prr_repair_fused_gpu.py \
     test_attention_gpu.py test_prr_select_gpu.py test_prr_ema_gpu.py test_prr_runtime_gpu.py) 2>&1 \
     | tee "$OUT/pytest_prrfused_gpu.log" | grep -E "passed|failed|FAILED|Error" | tail -40
+}
+
+fp8() {  # fp8 (e4m3fn) caches with k_scale / v_scale: their GPU tests, all failures listed
+  say "GPU tests (fp8 caches)"
+  (cd tests && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 -o faulthandler_timeout=60 \
+    test_attention_fp8_gpu.py) 2>&1 | tee "$OUT/pytest_fp8_gpu.log" | grep -E "passed|failed|FAILED|Error" | tail -40
+}
+
+fp8bench() {  # the quick attention benchmark (B=1 table, B=64, fp8 section, repair, merge)
+  say "attention benchmark --quick (fp8 section included)"
+  (cd /tmp && timeout 300 $PY "$ROOT/benchmarks/bench_attention.py" --quick --json "$OUT/results_attention_quick.json") \
+    > "$OUT/bench_attention_quick.log" 2>&1
+  echo "bench_attention exit $?"; sed -n '/^## sparse_attention (c:/,/^## merge_states, two/p' "$OUT/bench_attention_quick.log" | head -40
 }
 
 gputests() {  # every GPU test (check's first part), failures listed
@@ -373,6 +388,8 @@ for mode in "${@:-check}"; do
     attnprofile) attnprofile ;;
     attnab) attnab ;;
     attnsan) sanitize attention ;;
+    fp8) fp8 ;;
+    fp8bench) fp8bench ;;
     topkab) topkab ;;
     attncpu) attncpu ;;
     calib) calib ;;

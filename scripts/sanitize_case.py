@@ -154,6 +154,30 @@ if only in (None, "attention"):
             gvr.merge_states_in_place(m_out, m_lse, out, lse, lse_base="2")
             o0, l0 = out[0], lse[0]
             gvr.merge_states(o0, l0, f_out[0], f_lse[0], out=o0, lse=l0)  # [H, D], aliased
+    # fp8 (e4m3fn) caches with k_scale / v_scale: K and V views of one fp8 tensor (NaN codes in a few
+    # tokens), long enough to split (and merge in a cluster) at B = 1, partials, the fused repair
+    for D in (64, 128, 256):
+        P, G, Hkv, Hq = 16, 16, 2, 8
+        cache8 = (torch.randn(40, 2, P, Hkv, D, device=dev) * 4).to(torch.float8_e4m3fn)
+        cache8.view(torch.uint8)[3, :, 5, 0, :4] = 0x7F  # NaN codes
+        k8, v8 = cache8[:, 0], cache8[:, 1]
+        for B, n in ((1, 40), (3, 6)):
+            q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device=dev)
+            bt = torch.randint(0, 40, (B, 40), dtype=torch.int32, device=dev)
+            lengths = torch.full((B,), 40 * P - 7, dtype=torch.int32, device=dev)
+            sel = torch.randint(-1, 40, (B, Hkv, n), dtype=torch.int32, device=dev)
+            kw = dict(block_table=bt, lengths=lengths, block_size=G, k_scale=0.7, v_scale=1.3)
+            ckw = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in kw.items()}
+            out, lse = gvr.sparse_attention(q, k8, v8, sel, out=torch.empty(B, Hq, D, device=dev), **kw)
+            c_out, c_lse = gvr.sparse_attention(q.cpu(), k8.cpu(), v8.cpu(), sel.cpu(), out=torch.empty(B, Hq, D), **ckw)
+            assert torch.allclose(out.cpu(), c_out, atol=2e-2, rtol=2e-2, equal_nan=True), (D, B, "fp8")
+            po = torch.empty(B, Hq, n, D, device=dev)
+            pl = torch.empty(B, Hq, n, device=dev)
+            gvr.sparse_attention(q, k8, v8, sel, partials=(po, pl), out=torch.empty(B, Hq, D, device=dev), **kw)
+            so, sl = out.clone(), lse.clone()
+            cnt = torch.zeros(2, dtype=torch.int64, device=dev)
+            gvr.prr.repair(so, sl, q, k8, v8, torch.flip(sel, dims=(2,)).contiguous(), exclude=sel[:, :, :3].contiguous(),
+                           counts=cnt, cast_out=torch.empty(B, Hq, D, dtype=torch.bfloat16, device=dev), **kw)
     torch.cuda.synchronize()
     print("sanitize case: attention ok")
 

@@ -20,6 +20,18 @@ Everything is computed as "gather the token list, then a dense softmax" in float
 (``harness.naive_inputs``: float32 for bfloat16 inputs) for ``harness.assert_close``.
 ``dense_bruteforce`` is a second, structurally different formulation (a multiplicity per cache slot,
 softmax over the whole cache) used to validate the reference itself.
+
+fp8 (e4m3fn) caches and per-tensor K/V scales: the result is dense softmax attention with
+K' = k_scale * decode(K), V' = v_scale * decode(V) (scores = scale * q.K', lse includes scale and
+k_scale). ``e4m3_decode`` is written from the bit definition (sign, 4 exponent bits with bias 7, 3
+mantissa bits; exponent 0: subnormal m * 2^-9; S.1111.111 NaN; no infinities; max 448), never through
+torch's or ml_dtypes' conversion; ``e4m3_encode`` rounds to nearest (ties to even), saturating at 448.
+A Case with ``kv_dtype="float8_e4m3fn"`` keeps the caches as uint8 codes (``codes``) and their exact
+float64 values (``base``); every reference function reads those values. NaN follows IEEE: a NaN in a
+selected K row makes the heads reading it NaN (out and lse), a NaN in V[t, d] makes out[..., d] NaN for
+the heads reading t; NaN in tokens not attended changes nothing. The naive math for fp8 caches is the
+q precision's (float32 for bfloat16 q), on the exactly decoded values (fp8 values are exact in
+bfloat16 and float16): the same as a q-dtype cache holding the decoded values.
 """
 from __future__ import annotations
 
@@ -34,14 +46,18 @@ __all__ = [
     "token_slots", "sparse_attention_ref", "sparse_attention_naive", "partials_ref", "partials_naive",
     "merge_ref", "merge_naive", "missed_ref", "finalize_ref", "finalize_naive", "dense_bruteforce",
     "empty_state", "check_state", "Case", "make_case", "random_indices", "to_numpy", "compute_dtype",
+    "E4M3_VALUES", "E4M3_NAN", "E4M3_MAX", "e4m3_decode", "e4m3_encode", "random_e4m3",
 ]
 
 NEG_INF = -np.inf
 
 
 def to_numpy(x) -> np.ndarray:
-    """A NumPy view/copy of a NumPy array or a torch tensor (bfloat16 -> float32, CUDA -> host)."""
+    """A NumPy view/copy of a NumPy array or a torch tensor (bfloat16 -> float32, CUDA -> host,
+    float8_e4m3fn -> float64 through e4m3_decode)."""
     if isinstance(x, np.ndarray):
+        if x.dtype.name == "float8_e4m3fn":  # ml_dtypes: decoded from the bits
+            return e4m3_decode(x.view(np.uint8))
         return x
     mod = type(x).__module__
     if mod.startswith("torch"):
@@ -50,6 +66,8 @@ def to_numpy(x) -> np.ndarray:
         x = x.detach()
         if x.dtype == torch.bfloat16:
             x = x.float()
+        if x.dtype == getattr(torch, "float8_e4m3fn", None):  # decoded from the bits, not by torch
+            return e4m3_decode(x.cpu().view(torch.uint8).numpy())
         return x.cpu().numpy()
     if mod.startswith("cupy"):
         import cupy
@@ -61,6 +79,60 @@ def to_numpy(x) -> np.ndarray:
 def compute_dtype(dtype_name: str):
     """The NumPy type the naive math runs in for an input precision (bfloat16 -> float32)."""
     return {"bfloat16": np.float32, "float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype_name]
+
+
+# --------------------------------------------------------------------------------------------------
+# float8 e4m3fn, from the bit definition
+# --------------------------------------------------------------------------------------------------
+
+
+def _e4m3_value(code: int) -> float:
+    """The value of one e4m3fn code: S.EEEE.MMM, bias 7; E = 0: subnormal M * 2^-9; S.1111.111: NaN."""
+    sign = -1.0 if code & 0x80 else 1.0
+    e = (code >> 3) & 0xF
+    m = code & 0x7
+    if e == 0xF and m == 0x7:
+        return math.nan
+    if e == 0:
+        return sign * m * 2.0**-9
+    return sign * (1.0 + m / 8.0) * 2.0 ** (e - 7)
+
+
+E4M3_VALUES = np.array([_e4m3_value(c) for c in range(256)], np.float64)  # code -> value
+E4M3_NAN = 0x7F  # (0xFF too)
+E4M3_MAX = 448.0
+# the non-negative finite codes 0x00..0x7E in increasing value (code order is value order there)
+_E4M3_POS = E4M3_VALUES[:0x7F]
+assert np.all(np.diff(_E4M3_POS) > 0) and _E4M3_POS[-1] == E4M3_MAX
+
+
+def e4m3_decode(codes) -> np.ndarray:
+    """float64 values of uint8 e4m3fn codes (any shape and strides)."""
+    codes = np.asarray(codes)
+    assert codes.dtype == np.uint8, codes.dtype
+    return E4M3_VALUES[codes]
+
+
+def e4m3_encode(x) -> np.ndarray:
+    """uint8 e4m3fn codes of ``x`` rounded to nearest, ties to the even code (mantissa bit 0 clear),
+    saturating to +-448 (inf too); NaN -> 0x7F. -0.0 keeps its sign."""
+    x = np.asarray(x, np.float64)
+    a = np.abs(x)
+    finite = np.isfinite(a)
+    a = np.where(finite, np.minimum(a, E4M3_MAX), E4M3_MAX)
+    hi = np.clip(np.searchsorted(_E4M3_POS, a, side="left"), 0, 0x7E)  # first value >= a
+    lo = np.maximum(hi - 1, 0)
+    dl, dh = a - _E4M3_POS[lo], _E4M3_POS[hi] - a
+    code = np.where(dl < dh, lo, np.where(dh < dl, hi, np.where(lo % 2 == 0, lo, hi)))
+    code = np.where(a == _E4M3_POS[hi], hi, code).astype(np.uint8)
+    code = code | np.where(np.signbit(x), np.uint8(0x80), np.uint8(0))
+    return np.where(np.isnan(x), np.uint8(E4M3_NAN), code).astype(np.uint8)
+
+
+def random_e4m3(rng, shape, amplitude=1.0) -> np.ndarray:
+    """uint8 codes of amplitude * N(0, 1) rounded to e4m3fn (subnormals and, for large amplitudes,
+    saturated +-448 included; no NaN)."""
+    return e4m3_encode(amplitude * rng.standard_normal(shape))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,16 +182,19 @@ def _attend(qg, K, V, scale, ct):
     g, D = qg.shape
     if K.shape[0] == 0:
         return np.zeros((g, D)), np.full(g, NEG_INF)
-    s = (qg @ K.T) * ct(scale)
-    m = s.max(axis=1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(axis=1, keepdims=True, dtype=ct)
-    out = (p @ V) / l
-    lse = m[:, 0] + np.log(l[:, 0])
+    with np.errstate(invalid="ignore"):
+        s = (qg @ K.T) * ct(scale)
+        s = np.where(np.isnan(K).any(axis=1)[None, :], ct(np.nan), s)  # NaN * anything (BLAS-independent)
+        m = s.max(axis=1, keepdims=True)  # NaN when a score is NaN
+        p = np.exp(s - m)
+        l = p.sum(axis=1, keepdims=True, dtype=ct)
+        out = (p @ V) / l
+        out = np.where(np.isnan(V).any(axis=0)[None, :], ct(np.nan), out)  # 0 * NaN too
+        lse = m[:, 0] + np.log(l[:, 0])
     return out.astype(np.float64), lse.astype(np.float64)
 
 
-def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, ct):
+def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, ct, k_scale=1.0, v_scale=1.0):
     q = to_numpy(q)
     k_cache, v_cache = to_numpy(k_cache), to_numpy(v_cache)
     indices = to_numpy(indices)
@@ -131,6 +206,7 @@ def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, s
     assert Hq % Hkv == 0 and Hsel in (1, Hkv), (Hq, Hkv, Hsel)
     gqa = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    k_scale, v_scale = _scales(k_scale, v_scale)
     out = np.zeros((B, Hq, D))
     lse = np.full((B, Hq), NEG_INF)
     for b in range(B):
@@ -138,25 +214,44 @@ def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, s
             slots = _row_slots(indices, b, 0 if Hsel == 1 else g, P, num_pages, block_table, lengths, block_size)
             K = k_cache[slots // P, slots % P, g].astype(ct)
             V = v_cache[slots // P, slots % P, g].astype(ct)
+            if k_scale != 1.0:  # K' = k_scale * K, V' = v_scale * V (in ct)
+                K = K * ct(k_scale)
+            if v_scale != 1.0:
+                V = V * ct(v_scale)
             hs = slice(g * gqa, (g + 1) * gqa)
             out[b, hs], lse[b, hs] = _attend(q[b, hs].astype(ct), K, V, scale, ct)
     return out, lse
 
 
-def sparse_attention_ref(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None):
-    """float64 (out [B, Hq, D], lse [B, Hq]) of gvr.sparse_attention (arrays: NumPy or torch)."""
-    return _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, np.float64)
+def _scales(k_scale, v_scale):
+    return (1.0 if k_scale is None else float(k_scale)), (1.0 if v_scale is None else float(v_scale))
+
+
+def sparse_attention_ref(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None,
+                         k_scale=None, v_scale=None):
+    """float64 (out [B, Hq, D], lse [B, Hq]) of gvr.sparse_attention (arrays: NumPy or torch; fp8
+    caches decoded by e4m3_decode); k_scale / v_scale None: 1."""
+    return _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, np.float64,
+                      *_scales(k_scale, v_scale))
+
+
+def _naive_caches(dtype, k_cache, v_cache):
+    """The caches as the naive math reads them: rounded to ``dtype`` (fp8 values are exact there)."""
+    return naive_inputs(dtype, to_numpy(k_cache), to_numpy(v_cache))
 
 
 def sparse_attention_naive(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None,
-                           *, dtype):
+                           k_scale=None, v_scale=None, *, dtype):
     """The same math in the input precision ``dtype`` ("float32", "float16", "bfloat16"; bfloat16:
-    float32 math on bfloat16 values), returned as float64: ``naive`` for harness.assert_close."""
-    qn, kn, vn = naive_inputs(dtype, to_numpy(q), to_numpy(k_cache), to_numpy(v_cache))
-    return _attention(qn, kn, vn, indices, lengths, block_table, block_size, scale, compute_dtype(dtype))
+    float32 math on bfloat16 values; fp8 caches: decoded exactly, then the same), returned as float64:
+    ``naive`` for harness.assert_close. K' = k_scale * K and V' = v_scale * V are rounded in it too."""
+    qn = naive_inputs(dtype, to_numpy(q))
+    kn, vn = _naive_caches(dtype, k_cache, v_cache)
+    return _attention(qn, kn, vn, indices, lengths, block_table, block_size, scale, compute_dtype(dtype),
+                      *_scales(k_scale, v_scale))
 
 
-def _partials(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, ct):
+def _partials(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, ct, k_scale=1.0, v_scale=1.0):
     q = to_numpy(q)
     k_cache, v_cache = to_numpy(k_cache), to_numpy(v_cache)
     indices = to_numpy(indices)
@@ -165,19 +260,25 @@ def _partials(q, k_cache, v_cache, indices, lengths, block_table, block_size, sc
     po = np.zeros((B, Hq, n, D))
     pl = np.full((B, Hq, n), NEG_INF)
     for e in range(n):
-        o, l = _attention(q, k_cache, v_cache, indices[:, :, e:e + 1], lengths, block_table, block_size, scale, ct)
+        o, l = _attention(q, k_cache, v_cache, indices[:, :, e:e + 1], lengths, block_table, block_size, scale, ct,
+                          k_scale, v_scale)
         po[:, :, e], pl[:, :, e] = o, l
     return po, pl
 
 
-def partials_ref(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None):
+def partials_ref(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None,
+                 k_scale=None, v_scale=None):
     """float64 (part_out [B, Hq, n, D], part_lse [B, Hq, n]): the state of each entry alone."""
-    return _partials(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, np.float64)
+    return _partials(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, np.float64,
+                     *_scales(k_scale, v_scale))
 
 
-def partials_naive(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None, *, dtype):
-    qn, kn, vn = naive_inputs(dtype, to_numpy(q), to_numpy(k_cache), to_numpy(v_cache))
-    return _partials(qn, kn, vn, indices, lengths, block_table, block_size, scale, compute_dtype(dtype))
+def partials_naive(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None,
+                   k_scale=None, v_scale=None, *, dtype):
+    qn = naive_inputs(dtype, to_numpy(q))
+    kn, vn = _naive_caches(dtype, k_cache, v_cache)
+    return _partials(qn, kn, vn, indices, lengths, block_table, block_size, scale, compute_dtype(dtype),
+                     *_scales(k_scale, v_scale))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,9 +376,11 @@ def finalize_naive(part_out, part_lse, predicted, selected):
 # --------------------------------------------------------------------------------------------------
 
 
-def dense_bruteforce(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None):
+def dense_bruteforce(q, k_cache, v_cache, indices, lengths=None, block_table=None, block_size=1, scale=None,
+                     k_scale=None, v_scale=None):
     """Softmax over every slot of the cache, each weighted by how many times the selection names it
-    (token by token, pure Python loops): float64 (out, lse)."""
+    (token by token, pure Python loops): float64 (out, lse). Scales: k_scale folded into the logits'
+    factor, v_scale applied to the result (a different order than the reference's); no NaN support."""
     q, kc, vc, idx = to_numpy(q), to_numpy(k_cache), to_numpy(v_cache), to_numpy(indices)
     bt = None if block_table is None else to_numpy(block_table)
     ln = None if lengths is None else to_numpy(lengths)
@@ -286,6 +389,7 @@ def dense_bruteforce(q, k_cache, v_cache, indices, lengths=None, block_table=Non
     Hsel = idx.shape[1]
     gqa = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    k_scale, v_scale = _scales(k_scale, v_scale)
     Kf = kc.astype(np.float64).reshape(num_pages * P, Hkv, D) if kc.flags.c_contiguous else \
         np.stack([kc[p, t] for p in range(num_pages) for t in range(P)]).astype(np.float64)
     Vf = vc.astype(np.float64).reshape(num_pages * P, Hkv, D) if vc.flags.c_contiguous else \
@@ -315,12 +419,12 @@ def dense_bruteforce(q, k_cache, v_cache, indices, lengths=None, block_table=Non
                         count[page * P + t % P] += 1
             if not count.any():
                 continue
-            logits = scale * (Kf[:, g] @ q[b, h].astype(np.float64))
+            logits = (scale * k_scale) * (Kf[:, g] @ q[b, h].astype(np.float64))
             with np.errstate(divide="ignore"):
                 logits = logits + np.log(count)
             m = logits.max()
             w = np.exp(logits - m)
-            out[b, h] = (w @ Vf[:, g]) / w.sum()
+            out[b, h] = v_scale * (w @ Vf[:, g]) / w.sum()
             lse[b, h] = m + np.log(w.sum())
     return out, lse
 
@@ -380,6 +484,10 @@ class Case:
     scale: float | None = None
     q_padded: bool = False  # q a view of a wider buffer (row and head strides > D)
     extra: dict = field(default_factory=dict)
+    kv_dtype: str | None = None  # None: the caches in ``dtype``; "float8_e4m3fn": ``codes`` (values in base)
+    codes: np.ndarray | None = None  # uint8 e4m3fn codes, base's shape (base = e4m3_decode(codes))
+    k_scale: float | None = None  # passed to gvr when not None
+    v_scale: float | None = None
 
     # -- shapes ------------------------------------------------------------------------------
     @property
@@ -411,6 +519,10 @@ class Case:
     @property
     def v(self):
         return self.kv_views(self.base)[1]
+
+    @property
+    def fp8(self):
+        return self.kv_dtype == "float8_e4m3fn"
 
     @property
     def num_pages(self):
@@ -447,7 +559,7 @@ class Case:
 
             iconv = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, np.int32)).to(device)  # noqa: E731
         q = self._q_view(conv)
-        k, v = self.kv_views(conv(self.base))
+        k, v = self.kv_views(self._cache_base(fw, device) if self.fp8 else conv(self.base))
         kw = dict(block_size=self.block_size)
         if self.block_table is not None:
             kw["block_table"] = iconv(self.block_table)
@@ -455,7 +567,51 @@ class Case:
             kw["lengths"] = iconv(self.lengths)
         if self.scale is not None:
             kw["scale"] = self.scale
+        if self.k_scale is not None:
+            kw["k_scale"] = self.k_scale
+        if self.v_scale is not None:
+            kw["v_scale"] = self.v_scale
         return q, k, v, iconv(self.indices), kw
+
+    def _cache_base(self, fw, device):
+        """The fp8 cache base: torch float8_e4m3fn (a view of the uint8 codes) or NumPy ml_dtypes."""
+        codes = np.ascontiguousarray(self.codes)
+        if fw == "numpy":
+            import ml_dtypes
+
+            return codes.view(ml_dtypes.float8_e4m3fn)
+        import torch
+
+        return torch.from_numpy(codes).view(torch.float8_e4m3fn).to(device)
+
+    def decoded(self, dtype="float32"):
+        """The same problem with the caches decoded to ``dtype`` (fp8 values are exact in float32,
+        bfloat16 and float16) and q in it (float32: exact), the scales kept: a q-dtype cache case."""
+        return Case(**{**self.__dict__, "dtype": dtype, "kv_dtype": None, "codes": None,
+                       "q": round_to(self.q, dtype), "base": round_to(self.base, dtype)})
+
+    def slots(self, b, s, indices=None):
+        """The flattened cache slots (page * P + slot) that selection row (b, s) attends, duplicates kept."""
+        idx = self.indices if indices is None else np.asarray(indices)
+        return _row_slots(idx, b, s, self.P, self.num_pages, self.block_table, self.lengths, self.block_size)
+
+    def inject_nan(self, which, slots, head, dims=None, code=E4M3_NAN):
+        """Set K (which "k") or V ("v") of the flattened cache ``slots`` at KV head ``head`` (dims: all
+        or a list) to NaN: the code ``code`` (0x7F or 0xFF) for an fp8 case, NaN in ``base`` always.
+        The arrays are copied first (cases made by with_indices share them). Returns self."""
+        dsel = slice(None) if dims is None else np.asarray(dims)
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        self.base = self.base.copy()
+        views = [self.kv_views(self.base)]
+        if self.codes is not None:
+            self.codes = self.codes.copy()
+            views.append(self.kv_views(self.codes))
+        i = {"k": 0, "v": 1}[which]
+        for kv, val in zip(views, (np.nan, code)):
+            t = kv[i]
+            for x in slots:
+                t[x // self.P, x % self.P, head, dsel] = val
+        return self
 
     def with_indices(self, indices):
         c = Case(**{**self.__dict__, "indices": np.asarray(indices, np.int32)})
@@ -464,7 +620,7 @@ class Case:
     # -- expected results --------------------------------------------------------------------
     def _ref_args(self, indices=None):
         return (self.q, self.k, self.v, self.indices if indices is None else indices, self.lengths, self.block_table,
-                self.block_size, self.scale)
+                self.block_size, self.scale, self.k_scale, self.v_scale)
 
     def ref(self, indices=None):
         return sparse_attention_ref(*self._ref_args(indices))
@@ -488,7 +644,7 @@ class Case:
 def make_case(rng, *, B=3, Hq=8, Hkv=2, D=64, P=16, block_size=1, paged=True, n=16, Hsel=1, layout="NHD",
               combined=False, dtype="float32", seq_len=None, lengths="partial", pad=0.15, oob=0.1, dup=0.0,
               distinct=True, extra_pages=3, bad_pages=False, q_scale=1.0, scale=None, q_padded=False,
-              indices=None):
+              indices=None, kv_dtype=None, fp8_amp=1.0, k_scale=None, v_scale=None):
     """A random problem.
 
     paged=True: ``block_table`` [B, max_pages] of shuffled pages (rows may share pages; unused pages
@@ -496,7 +652,9 @@ def make_case(rng, *, B=3, Hq=8, Hkv=2, D=64, P=16, block_size=1, paged=True, n=
     ``lengths`` "partial" (last block partial, one row shorter still), "full", "none" (None: default
     max_pages*P) or an array; entries are logical blocks of ``block_size`` tokens.
     paged=False: entries are physical slots of the flattened cache (block_size 1, no table).
-    ``bad_pages``: a few table entries inside the rows' lengths are -1 or out of range (skipped)."""
+    ``bad_pages``: a few table entries inside the rows' lengths are -1 or out of range (skipped).
+    kv_dtype "float8_e4m3fn": the caches are e4m3fn codes of fp8_amp * N(0, 1) (random_e4m3), q in
+    ``dtype``; k_scale / v_scale: passed to gvr (and used by the reference) when not None."""
     G = block_size
     if seq_len is None:
         seq_len = max(4 * G, 3 * P, 64)
@@ -511,7 +669,13 @@ def make_case(rng, *, B=3, Hq=8, Hkv=2, D=64, P=16, block_size=1, paged=True, n=
         shape = (shape[0], 2) + shape[1:]
     else:
         shape = (2,) + shape
-    base = round_to(rng.standard_normal(shape), dtype)
+    codes = None
+    if kv_dtype is None:
+        base = round_to(rng.standard_normal(shape), dtype)
+    else:
+        assert kv_dtype == "float8_e4m3fn", kv_dtype
+        codes = random_e4m3(rng, shape, fp8_amp)
+        base = e4m3_decode(codes)
     q = round_to(q_scale * rng.standard_normal((B, Hq, D)), dtype)
     block_table = lens = None
     if paged:
@@ -554,13 +718,15 @@ def make_case(rng, *, B=3, Hq=8, Hkv=2, D=64, P=16, block_size=1, paged=True, n=
     if indices is None:
         indices = random_indices(rng, B, Hsel, n, valid, pad=pad, oob=oob, dup=dup, distinct=distinct)
     return Case(dtype=dtype, q=q, base=base, layout=layout, combined=combined, indices=np.asarray(indices, np.int32),
-                block_table=block_table, lengths=lens, block_size=G, scale=scale, q_padded=q_padded)
+                block_table=block_table, lengths=lens, block_size=G, scale=scale, q_padded=q_padded,
+                kv_dtype=kv_dtype, codes=codes, k_scale=k_scale, v_scale=v_scale)
 
 
 def check_state(case, out, lse, *, indices=None, what=""):
     """(out, lse) of a gvr call against the float64 reference attention of ``case`` (over ``indices``
     if given) with harness.assert_close (naive: the same math in the case's input precision); an
-    empty state's out must be exactly 0; no NaN anywhere."""
+    empty state's out must be exactly 0; NaN exactly where the reference has NaN (nowhere unless
+    the case holds NaN)."""
     ro, rl = case.ref(indices)
     no, nl = case.naive(indices)
     go, gl = to_numpy(out).astype(np.float64), to_numpy(lse).astype(np.float64)
@@ -568,4 +734,5 @@ def check_state(case, out, lse, *, indices=None, what=""):
     assert_close(gl, rl, nl, case.dtype, what=f"{what} lse")
     empty = rl == NEG_INF
     assert np.all(go[empty] == 0.0), f"{what}: empty state's out is not 0"
-    assert not np.isnan(go).any() and not np.isnan(gl).any(), f"{what}: NaN"
+    assert np.array_equal(np.isnan(go), np.isnan(ro)) and np.array_equal(np.isnan(gl), np.isnan(rl)), \
+        f"{what}: NaN where the reference has none, or none where it has NaN"

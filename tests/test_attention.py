@@ -724,13 +724,13 @@ def _small_torch_case():
 def test_opcheck_cpu():
     c, (q, k, v, idx, kw) = _small_torch_case()
     bt, ln = kw["block_table"], kw["lengths"]
-    att = (q, k, v, idx, ln, bt, 4, None)
+    att = (q, k, v, idx, ln, bt, 4, None, None, None)  # scale, k_scale, v_scale
     g = torch.Generator().manual_seed(0)
     st = lambda: (torch.randn(2, 4, 16, generator=g), torch.randn(2, 4, generator=g))  # noqa: E731
     po, pl = torch.empty(2, 4, 3, 16), torch.empty(2, 4, 3)
     gvr.sparse_attention(q, k, v, idx, partials=(po, pl), **kw)
     cases = {
-        "sparse_attention": [att, (q, k, v, idx, None, None, 1, 0.5)],
+        "sparse_attention": [att, (q, k, v, idx, None, None, 1, 0.5, 0.75, 1.5)],
         "sparse_attention_out": [att + (torch.empty(2, 4, 16), torch.empty(2, 4), torch.empty(2, 4, 3, 16),
                                         torch.empty(2, 4, 3), False, None, None, None),
                                  att + (torch.empty(2, 4, 16, dtype=q.dtype), torch.empty(2, 4), None, None, False,

@@ -431,7 +431,7 @@ def test_opcheck_cuda():
     rng = np.random.default_rng(19)
     c = make_case(rng, B=2, Hq=4, Hkv=2, D=64, P=16, block_size=16, n=3, Hsel=2, dtype="bfloat16")
     q, k, v, idx, kw = c.args("torch", "cuda")
-    att = (q, k, v, idx, kw["lengths"], kw["block_table"], 16, None)
+    att = (q, k, v, idx, kw["lengths"], kw["block_table"], 16, None, None, None)
     torch.library.opcheck(torch.ops.gvr.sparse_attention.default, att)
     st = (torch.randn(2, 4, 64, device="cuda"), torch.randn(2, 4, device="cuda"))
     torch.library.opcheck(torch.ops.gvr.prr_repair.default, st + att + (None, None, None))

@@ -290,6 +290,34 @@ def test_torch_bfloat16_cpu_inputs():
         tq = (0.9 * tq.float() + 0.3 * torch.randn(tq.shape, generator=torch.Generator().manual_seed(t))).bfloat16()
 
 
+@pytest.mark.skipif(torch is None or not hasattr(torch, "float8_e4m3fn"), reason="fp8 caches need torch")
+@pytest.mark.parametrize("mode", ["exact", "superset"])
+def test_fp8_caches_with_scales(mode):
+    """step() over fp8 e4m3fn caches with k_scale / v_scale (bf16 q): the state equals the float64
+    reference over the dequantized caches (k_scale * K, v_scale * V), both modes, three steps"""
+    dec = Decode(seed=29)
+    ks, vs = 3.0 / 448, 2.5 / 448
+    k8 = torch.from_numpy(dec.K / ks).to(torch.float8_e4m3fn)
+    v8 = torch.from_numpy(dec.V / vs).to(torch.float8_e4m3fn)
+    kd, vd = (k8.float() * ks).numpy(), (v8.float() * vs).numpy()
+    tq = torch.from_numpy(dec.q).bfloat16()
+    bt, ln = torch.from_numpy(dec.bt), torch.from_numpy(dec.lengths)
+    meta = gvr.prr.block_metadata(torch.from_numpy(kd).bfloat16(), bt, ln, block_size=G)  # q's dtype
+    select = R.quest_select(meta, dec.k, ln, block_size=G)
+    a = R.SpeculativeAttention(dec.B, Hq, Hkv, D, dec.max_blocks, block_size=G, k=dec.k, dtype="float32", mode=mode)
+    for t in range(3):
+        pred = a.prediction(dec.B).copy()
+        o, l = a.step(tq, k8, v8, bt, ln, select, k_scale=ks, v_scale=vs)
+        sel = select.selected[: dec.B].numpy().copy()
+        idx = expected_indices(mode, pred, sel)
+        args = (tq.float().numpy(), kd, vd, idx, dec.lengths, dec.bt, G)
+        ro, rl = sparse_attention_ref(*args)
+        no, nl = sparse_attention_naive(*args, dtype="float32")
+        assert_close(a.state[0][: dec.B], ro, no, "float32", factor=4.0, what=f"fp8 step {t} out")
+        assert_close(l.numpy(), rl, nl, "float32", factor=4.0, what=f"fp8 step {t} lse")
+        tq = (0.9 * tq.float() + 0.3 * torch.randn(tq.shape, generator=torch.Generator().manual_seed(t))).bfloat16()
+
+
 # --------------------------------------------------------------------------------------------------
 # bad inputs
 # --------------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@
 
 /* ---- element types (conversions: elem.h) ------------------------------------------------------ */
 
-static inline size_t elem_size(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : 2; }
+static inline size_t elem_size(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : dtype == GVR_ELEM_E4M3 ? 1 : 2; }
 
 static void store_row(int32_t dtype, void *dst, const float *restrict src, int n)
 {
@@ -349,13 +349,14 @@ static void attn_heads(const attn_ctx *c, const unit_scratch *u, int64_t b, int 
     const gvr_attention_params *p = c->p;
     const int D = p->D, Gq = c->Gq, Hu = nh * Gq;
     const size_t qes = elem_size(p->dtype);
+    const float qs = p->scale * p->k_scale; /* K' = k_scale * K folded into q (scale exactly when k_scale is 1) */
     for (int g = 0; g < Hu; g++) {
         const int64_t h = (int64_t)kv0 * Gq + g;
         const char *qrow = (const char *)p->q + (size_t)(b * p->q_stride_b + h * p->q_stride_h) * qes;
         float *qg = u->q + (size_t)g * D;
         gvr_row_to_f32(p->dtype, qrow, qg, D);
         for (int d = 0; d < D; d++)
-            qg[d] *= p->scale;
+            qg[d] *= qs;
         u->m[g] = -INFINITY;
         u->l[g] = 0.0f;
     }
@@ -408,7 +409,7 @@ static void attn_heads(const attn_ctx *c, const unit_scratch *u, int64_t b, int 
                 }
                 const float el = u->el[g];
                 for (int d = 0; d < D; d++)
-                    po[d] = ea[d] / el;
+                    po[d] = ea[d] / el * p->v_scale; /* V' = v_scale * V (exact when 1) */
                 *pl = u->em[g] + logf(el);
                 /* fold the entry's state into the running one */
                 const float mo = u->m[g], me = u->em[g];
@@ -446,7 +447,7 @@ static void attn_heads(const attn_ctx *c, const unit_scratch *u, int64_t b, int 
         float *ag = u->acc + (size_t)g * D;
         const float lg = u->l[g];
         for (int d = 0; d < D; d++)
-            ag[d] /= lg;
+            ag[d] = ag[d] / lg * p->v_scale; /* V' = v_scale * V (exact when 1) */
         const float lnew = u->m[g] + logf(lg);
         if (p->accumulate) {
             float *prior = u->krow; /* free now */

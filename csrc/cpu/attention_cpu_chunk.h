@@ -31,6 +31,10 @@ static inline __attribute__((always_inline)) TARGET const float *SFX(row)(int32_
 {
     if (dtype == GVR_ELEM_F32)
         return (const float *)x + off;
+    if (dtype == GVR_ELEM_E4M3) {
+        gvr_row_to_f32(dtype, (const uint8_t *)x + off, buf, D);
+        return buf;
+    }
     const uint16_t *h = (const uint16_t *)x + off;
 #ifdef ROW_F16
     if (dtype == GVR_ELEM_F16) {
@@ -237,7 +241,7 @@ static TARGET void SFX(attn_chunk)(const attn_ctx *c, const unit_scratch *u, int
     const gvr_attention_params *p = c->p;
     const int D = p->D, Gq = c->Gq, Hu = nh * Gq;
     const int64_t ksh = p->k_stride_head, vsh = p->v_stride_head;
-    const size_t es = elem_size(p->dtype), rb = (size_t)D * es;
+    const size_t es = elem_size(p->kv_dtype), rb = (size_t)D * es;
     float *restrict S = u->s;
 
     /* 1. scores S[g][t] = q_g . k_t, QT tokens against each query head of their KV head */
@@ -254,7 +258,7 @@ static TARGET void SFX(attn_chunk)(const attn_ctx *c, const unit_scratch *u, int
                     prefetch_row(p->k, koff[ahead] + j * ksh, es, rb);
                 else if (ahead - nc < nc)
                     prefetch_row(p->v, voff[ahead - nc] + j * vsh, es, rb);
-                kr[i] = SFX(row)(p->dtype, p->k, koff[t0 + i] + j * ksh, u->krow + (size_t)i * D, D);
+                kr[i] = SFX(row)(p->kv_dtype, p->k, koff[t0 + i] + j * ksh, u->krow + (size_t)i * D, D);
             }
             float *sj = S + (size_t)j * Gq * CHUNK + t0;
             const float *qj = u->q + (size_t)j * Gq * D;
@@ -294,7 +298,7 @@ static TARGET void SFX(attn_chunk)(const attn_ctx *c, const unit_scratch *u, int
             for (int i = 0; i < nt; i++) {
                 if (t0 + i + PREFETCH_TOKENS < nc)
                     prefetch_row(p->v, voff[t0 + i + PREFETCH_TOKENS] + j * vsh, es, rb);
-                vr[i] = SFX(row)(p->dtype, p->v, voff[t0 + i] + j * vsh, u->vrow + (size_t)i * D, D);
+                vr[i] = SFX(row)(p->kv_dtype, p->v, voff[t0 + i] + j * vsh, u->vrow + (size_t)i * D, D);
             }
             for (int g0 = j * Gq; g0 < (j + 1) * Gq; g0 += GT) {
                 const int ng = (j + 1) * Gq - g0 < GT ? (j + 1) * Gq - g0 : GT;

@@ -37,19 +37,37 @@ static inline float gvr_f16_to_f32(uint16_t h)
 
 static inline float gvr_bf16_to_f32(uint16_t h) { return gvr_bits_f32((uint32_t)h << 16); }
 
-/* n elements of type dtype (0 float32, 1 IEEE half, 2 bfloat16: GVR_ELEM_* and GVR_TOPK_* of
- * gvr_kernels.h) at src -> floats */
+/* OCP fp8 e4m3fn -> float, exact, branch-free: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+ * exponent 0: subnormal m * 2^-9 (renormalized by an exact subtraction, as gvr_f16_to_f32 does);
+ * S.1111.111: NaN (a quiet NaN with the sign kept); no infinities (S.1111.110 = 448). */
+static inline float gvr_e4m3_to_f32(uint8_t x)
+{
+    const uint32_t m = (uint32_t)(x & 0x7Fu) << 20, e = m & 0x07800000u;
+    const uint32_t nan = 0u - (uint32_t)((x & 0x7Fu) == 0x7Fu), sub = 0u - (uint32_t)(e == 0u); /* masks */
+    const uint32_t o = m + (120u << 23);                                               /* rebias: 127 - 7 */
+    const uint32_t s = gvr_f32_bits(gvr_bits_f32(o + (1u << 23)) - 0x1p-6f); /* e == 0: m * 2^-9 */
+    const uint32_t r = (s & sub) | (o & ~sub);
+    return gvr_bits_f32(((r & ~nan) | (0x7FC00000u & nan)) | (uint32_t)(x & 0x80u) << 24);
+}
+
+/* n elements of type dtype (0 float32, 1 IEEE half, 2 bfloat16, 3 fp8 e4m3fn: GVR_ELEM_* and
+ * GVR_TOPK_* of gvr_kernels.h) at src -> floats */
 static inline void gvr_row_to_f32(int32_t dtype, const void *src, float *restrict dst, int64_t n)
 {
     const uint16_t *restrict h = (const uint16_t *)src;
-    if (dtype == 0)
+    if (dtype == 0) {
         memcpy(dst, src, (size_t)n * sizeof(float));
-    else if (dtype == 1)
+    } else if (dtype == 1) {
         for (int64_t i = 0; i < n; i++)
             dst[i] = gvr_f16_to_f32(h[i]);
-    else
+    } else if (dtype == 3) {
+        const uint8_t *restrict x = (const uint8_t *)src;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = gvr_e4m3_to_f32(x[i]);
+    } else {
         for (int64_t i = 0; i < n; i++)
             dst[i] = gvr_bf16_to_f32(h[i]);
+    }
 }
 
 /* float -> IEEE half, round to nearest even, in integers (no dependence on the FP environment).

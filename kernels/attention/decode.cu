@@ -97,34 +97,57 @@ Plan make_plan(const gvr_attention_params *p, int sms)
     return g;
 }
 
-/* f(instance) for the instance of (element type, partials, D, HC) */
-template <int ELEM, int D, bool PART, class F>
+/* f(instance) for the instance of (q element type, cache element type, mode, D, HC) */
+template <int ELEM, int KVE, int D, int MODE, class F>
 auto visit_hc(int HC, F &&f)
 {
     switch (HC) {
-    case 1: return f(DecodeInstance<ELEM, D, 1, PART>{});
-    case 2: return f(DecodeInstance<ELEM, D, 2, PART>{});
-    case 4: return f(DecodeInstance<ELEM, D, 4, PART>{});
-    default: return f(DecodeInstance<ELEM, D, 8, PART>{});
+    case 1: return f(DecodeInstance<ELEM, KVE, D, 1, MODE>{});
+    case 2: return f(DecodeInstance<ELEM, KVE, D, 2, MODE>{});
+    case 4: return f(DecodeInstance<ELEM, KVE, D, 4, MODE>{});
+    default: return f(DecodeInstance<ELEM, KVE, D, 8, MODE>{});
     }
 }
 
-template <int ELEM, bool PART, class F>
+template <int ELEM, int KVE, int MODE, class F>
 auto visit_d(int D, int HC, F &&f)
 {
     switch (D) {
-    case 64: return visit_hc<ELEM, 64, PART>(HC, f);
-    case 128: return visit_hc<ELEM, 128, PART>(HC, f);
-    default: return visit_hc<ELEM, 256, PART>(HC, f);
+    case 64: return visit_hc<ELEM, KVE, 64, MODE>(HC, f);
+    case 128: return visit_hc<ELEM, KVE, 128, MODE>(HC, f);
+    default: return visit_hc<ELEM, KVE, 256, MODE>(HC, f);
+    }
+}
+
+template <int ELEM, int KVE, class F>
+auto visit_mode(int mode, int D, int HC, F &&f)
+{
+    switch (mode) {
+    case DECODE_PART: return visit_d<ELEM, KVE, DECODE_PART>(D, HC, f);
+    case DECODE_EXTRA: return visit_d<ELEM, KVE, DECODE_EXTRA>(D, HC, f);
+    default: return visit_d<ELEM, KVE, DECODE_PLAIN>(D, HC, f);
     }
 }
 
 template <class F>
-auto visit_instance(int elem, bool part, int D, int HC, F &&f)
+auto visit_instance(int elem, int kv, int mode, int D, int HC, F &&f)
 {
+    if (kv == GVR_ELEM_E4M3)
+        return elem == GVR_ELEM_F16 ? visit_mode<GVR_ELEM_F16, GVR_ELEM_E4M3>(mode, D, HC, f)
+                                    : visit_mode<GVR_ELEM_BF16, GVR_ELEM_E4M3>(mode, D, HC, f);
     if (elem == GVR_ELEM_F16)
-        return part ? visit_d<GVR_ELEM_F16, true>(D, HC, f) : visit_d<GVR_ELEM_F16, false>(D, HC, f);
-    return part ? visit_d<GVR_ELEM_BF16, true>(D, HC, f) : visit_d<GVR_ELEM_BF16, false>(D, HC, f);
+        return visit_mode<GVR_ELEM_F16, GVR_ELEM_F16>(mode, D, HC, f);
+    return visit_mode<GVR_ELEM_BF16, GVR_ELEM_BF16>(mode, D, HC, f);
+}
+
+/* the kernel mode of a call: partials through the sub-warp path, prr.repair's extras, or plain */
+int mode_of(const gvr_attention_params *p, const Plan &g)
+{
+    if (p->part_out && !g.part_cta)
+        return DECODE_PART;
+    if (p->accumulate && !p->part_out && ((p->exclude && p->nx > 0) || p->counts || p->cast_out))
+        return DECODE_EXTRA;
+    return DECODE_PLAIN;
 }
 
 bool aligned(const void *ptr, size_t a) { return ((uintptr_t)ptr % a) == 0; }
@@ -141,9 +164,11 @@ cudaError_t plan_for(const gvr_attention_params *p, Plan *g)
     /* latency-bound plans (the grid within one CTA per SM) merge their splits in a cluster when one holds
      * them and the device can run it: no workspace, no global round trips for the merge */
     const int C = g->S;
-    const bool dtype_ok = p->dtype == GVR_ELEM_F16 || p->dtype == GVR_ELEM_BF16;
+    const bool dtype_ok = (p->dtype == GVR_ELEM_F16 || p->dtype == GVR_ELEM_BF16) &&
+                          (p->kv_dtype == p->dtype || p->kv_dtype == GVR_ELEM_E4M3);
     if (C > 1 && C <= MAX_CLUSTER && g->units * C <= sms && dtype_ok && gvr_attention_cuda_head_dim_ok(p->D) &&
-        visit_instance(p->dtype, p->part_out != nullptr && !g->part_cta, p->D, g->HC, [&](auto inst) { return inst.cluster_ok(dev, C); })) {
+        visit_instance(p->dtype, p->kv_dtype, mode_of(p, *g), p->D, g->HC,
+                       [&](auto inst) { return inst.cluster_ok(dev, C); })) {
         g->cl = C;
         g->cnt_bytes = g->o_bytes = g->ml_bytes = g->ws_bytes = 0;
     }
@@ -172,7 +197,9 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
         return 0;
     /* the intake (csrc/) enforces these; this only keeps a bad call from launching */
     if (p->dtype != GVR_ELEM_F16 && p->dtype != GVR_ELEM_BF16)
-        return gvr::set_message(1, "gvr_sparse_attention: q/k/v must be float16 or bfloat16 on CUDA (dtype %d)", p->dtype);
+        return gvr::set_message(1, "gvr_sparse_attention: q must be float16 or bfloat16 on CUDA (dtype %d)", p->dtype);
+    if (p->kv_dtype != p->dtype && p->kv_dtype != GVR_ELEM_E4M3)
+        return gvr::set_message(1, "gvr_sparse_attention: k/v must have q's dtype or be fp8 e4m3 (kv_dtype %d)", p->kv_dtype);
     if (!gvr_attention_cuda_head_dim_ok(p->D))
         return gvr::set_message(1, "gvr_sparse_attention: head dim D = %d not served on CUDA (64, 128, 256)", p->D);
     if (p->Hkv <= 0 || p->Hq % p->Hkv || p->Hq / p->Hkv > GVR_ATTN_MAX_GQA)
@@ -195,13 +222,14 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
         (p->cast_out && p->cast_dtype != GVR_ELEM_F32 && p->cast_dtype != GVR_ELEM_F16 && p->cast_dtype != GVR_ELEM_BF16))
         return gvr::set_message(1, "gvr_sparse_attention: bad exclude (Hx = %d, nx = %d), counts (%d) or cast_out dtype (%d)",
                                 p->Hx, p->nx, p->ncounts, p->cast_dtype);
-    /* 16-byte loads of K and V: 16-byte aligned bases, strides in multiples of 8 elements (q is read
-     * element by element, once per CTA: any alignment) */
-    const bool k_ok = aligned(p->k, 16) && p->k_stride_page % 8 == 0 && p->k_stride_tok % 8 == 0 && p->k_stride_head % 8 == 0;
-    const bool v_ok = aligned(p->v, 16) && p->v_stride_page % 8 == 0 && p->v_stride_tok % 8 == 0 && p->v_stride_head % 8 == 0;
+    /* loads of 8 elements of K and V (16 bytes; fp8: 8): aligned bases, strides in multiples of 8 elements
+     * (q is read element by element, once per CTA: any alignment) */
+    const size_t piece = p->kv_dtype == GVR_ELEM_E4M3 ? 8 : 16;
+    const bool k_ok = aligned(p->k, piece) && p->k_stride_page % 8 == 0 && p->k_stride_tok % 8 == 0 && p->k_stride_head % 8 == 0;
+    const bool v_ok = aligned(p->v, piece) && p->v_stride_page % 8 == 0 && p->v_stride_tok % 8 == 0 && p->v_stride_head % 8 == 0;
     if (!k_ok || !v_ok)
-        return gvr::set_message(1, "gvr_sparse_attention: %s must be 16-byte aligned with strides in multiples of 8 "
-                                "elements on CUDA", !k_ok ? "k_cache" : "v_cache");
+        return gvr::set_message(1, "gvr_sparse_attention: %s must be %zu-byte aligned with strides in multiples of 8 "
+                                "elements on CUDA", !k_ok ? "k_cache" : "v_cache", piece);
 
     Plan g;
     cudaError_t e = plan_for(p, &g);
@@ -245,7 +273,8 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
     a.max_pages = p->block_table ? p->max_pages : 0;
     a.lengths = p->block_table ? p->lengths : nullptr;
     a.G = p->block_table ? p->block_size : 1;
-    a.qscale = p->scale * 1.4426950408889634f;
+    a.qscale = p->scale * p->k_scale * 1.4426950408889634f; /* K' = k_scale * K folded into q */
+    a.vscale = p->v_scale;
     a.out = p->out;
     a.out_dtype = p->out_dtype;
     a.out_sb = p->out_stride_b;
@@ -295,7 +324,7 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
         a.ws_o = (float *)(ws + g.cnt_bytes);
         a.ws_ml = (float *)(ws + g.cnt_bytes + g.o_bytes);
     }
-    e = visit_instance(p->dtype, p->part_out != nullptr && !g.part_cta, p->D, g.HC,
+    e = visit_instance(p->dtype, p->kv_dtype, mode_of(p, g), p->D, g.HC,
                        [&](auto inst) { return inst.launch(a, (unsigned)grid, g.cl, stream); });
     if (e != cudaSuccess)
         return gvr::set_error("gvr_sparse_attention: kernel launch", e);

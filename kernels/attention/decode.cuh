@@ -19,6 +19,7 @@
  * in split order (deterministic whichever CTA is last) and resets the counter to 0. */
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -64,7 +65,8 @@ struct DecodeArgs {
     int max_pages;
     const int32_t *lengths;
     int G;
-    float qscale; /* scale * log2(e) */
+    float qscale; /* scale * k_scale * log2(e) */
+    float vscale; /* v_scale */
     void *out;
     int out_dtype;
     int out_vec; /* out (and its strides) allow 16-byte (f32) / 8-byte (f16, bf16) vector access */
@@ -105,9 +107,13 @@ struct DecodeArgs {
 #endif
 constexpr int resident_ctas(int hc) { return GVR_DECODE_MINB(hc); }
 
-/* One kernel instance: q/k/v element type ELEM (GVR_ELEM_F16 / GVR_ELEM_BF16), head dim D, HC heads
- * per CTA, PART: per-entry partial states. Explicitly instantiated in decode_d<D>.cu. */
-template <int ELEM, int D, int HC, bool PART>
+/* One kernel instance: q element type ELEM (GVR_ELEM_F16 / GVR_ELEM_BF16), K/V element type KVE (ELEM, or
+ * GVR_ELEM_E4M3: 8-byte pieces of 8 fp8 values per lane, decoded exactly: cvt8_e4m3), head dim D, HC heads
+ * per CTA, MODE: DECODE_PLAIN, DECODE_PART (per-entry partial states, one sub-warp per entry) or
+ * DECODE_EXTRA (prr.repair's exclusion / counts / cast; compiled out of the other modes: they cost the
+ * plain attention 0.25-0.45 us at B=1, H100). Explicitly instantiated in decode_d<D>.cu. */
+enum { DECODE_PLAIN = 0, DECODE_PART = 1, DECODE_EXTRA = 2 };
+template <int ELEM, int KVE, int D, int HC, int MODE>
 struct DecodeInstance {
     /* cluster > 1: clusters of that many CTAs (a.cl), with their dynamic shared memory */
     static cudaError_t launch(const DecodeArgs &a, unsigned grid, int cluster, cudaStream_t stream);
@@ -115,18 +121,23 @@ struct DecodeInstance {
     static bool cluster_ok(int dev, int C);
 };
 
-/* The instances of head dim D (one decode_d<D>.cu each, compiled in parallel): f16 / bf16, HC in
- * {1, 2, 4, 8} query heads per CTA, with and without per-entry partial states. */
+/* The instances of head dim D (decode_d<D>.cu: q and caches f16 / bf16; decode_d<D>_e4m3.cu: f16 / bf16 q
+ * over fp8 caches; compiled in parallel), HC in {1, 2, 4, 8} query heads per CTA, each mode. */
 #define GVR_DECODE_INSTANCES(D)                                                                       \
-    GVR_DECODE_HC_(D, GVR_ELEM_F16, false)                                                            \
-    GVR_DECODE_HC_(D, GVR_ELEM_BF16, false)                                                           \
-    GVR_DECODE_HC_(D, GVR_ELEM_F16, true)                                                             \
-    GVR_DECODE_HC_(D, GVR_ELEM_BF16, true)
-#define GVR_DECODE_HC_(D, E, PART)                                                                    \
-    template struct DecodeInstance<E, D, 1, PART>;                                                    \
-    template struct DecodeInstance<E, D, 2, PART>;                                                    \
-    template struct DecodeInstance<E, D, 4, PART>;                                                    \
-    template struct DecodeInstance<E, D, 8, PART>;
+    GVR_DECODE_MODES_(D, GVR_ELEM_F16, GVR_ELEM_F16)                                                  \
+    GVR_DECODE_MODES_(D, GVR_ELEM_BF16, GVR_ELEM_BF16)
+#define GVR_DECODE_INSTANCES_E4M3(D)                                                                  \
+    GVR_DECODE_MODES_(D, GVR_ELEM_F16, GVR_ELEM_E4M3)                                                 \
+    GVR_DECODE_MODES_(D, GVR_ELEM_BF16, GVR_ELEM_E4M3)
+#define GVR_DECODE_MODES_(D, E, KV)                                                                   \
+    GVR_DECODE_HC_(D, E, KV, DECODE_PLAIN)                                                            \
+    GVR_DECODE_HC_(D, E, KV, DECODE_PART)                                                             \
+    GVR_DECODE_HC_(D, E, KV, DECODE_EXTRA)
+#define GVR_DECODE_HC_(D, E, KV, MODE)                                                                \
+    template struct DecodeInstance<E, KV, D, 1, MODE>;                                                \
+    template struct DecodeInstance<E, KV, D, 2, MODE>;                                                \
+    template struct DecodeInstance<E, KV, D, 4, MODE>;                                                \
+    template struct DecodeInstance<E, KV, D, 8, MODE>;
 
 /* the kernel's definition: only the instance files (decode_d*.cu) define GVR_DECODE_KERNELS, so that
  * decode.cu (the planner) does not instantiate the kernels again */
@@ -185,6 +196,49 @@ __device__ __forceinline__ void cvt8(const uint4 r, float f[8])
         }
     }
 }
+
+/* 8 fp8 e4m3fn values of 8 bytes to floats: exact (every e4m3 value is a half; NaN stays NaN), through
+ * the packed conversion e4m3x2 -> f16x2 and half -> float. (An integer-only decode -- the byte placed
+ * under float's exponent, times 2^120, NaN codes patched -- measured slower on the H100: B=64, 2K tokens
+ * 224 us against 164.) */
+__device__ __forceinline__ void cvt8_e4m3(const uint2 r, float f[8])
+{
+    const uint32_t w[2] = {r.x, r.y};
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> (16 * j)), __NV_E4M3);
+            const float2 t = h2f((uint32_t)hr.x | ((uint32_t)hr.y << 16));
+            f[4 * i + 2 * j] = t.x;
+            f[4 * i + 2 * j + 1] = t.y;
+        }
+}
+
+__device__ __forceinline__ uint2 ld_nc_v2(const void *p)
+{
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+/* A lane's piece of a K/V row (8 elements) of element type KVE: its raw type, loads, conversion */
+template <int KVE>
+struct KVPiece {
+    static constexpr int ESZ = 2; /* bytes per element */
+    using Raw = uint4;
+    static __device__ __forceinline__ Raw load(const void *p) { return ld_nc_v4(p); }
+    static __device__ __forceinline__ Raw zero() { return make_uint4(0, 0, 0, 0); }
+    static __device__ __forceinline__ void cvt(const Raw r, float f[8]) { cvt8<KVE>(r, f); }
+};
+template <>
+struct KVPiece<GVR_ELEM_E4M3> {
+    static constexpr int ESZ = 1;
+    using Raw = uint2;
+    static __device__ __forceinline__ Raw load(const void *p) { return ld_nc_v2(p); }
+    static __device__ __forceinline__ Raw zero() { return make_uint2(0, 0); }
+    static __device__ __forceinline__ void cvt(const Raw r, float f[8]) { cvt8_e4m3(r, f); }
+};
 
 __device__ __forceinline__ uint16_t f2bf(float x)
 {
@@ -268,17 +322,23 @@ struct Smem {
 
 } // namespace detail
 
-template <int ELEM, int D, int HC, bool PART>
+template <int ELEM, int KVE, int D, int HC, int MODE>
 __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_decode_kernel(const DecodeArgs a)
 {
     using namespace detail;
+    constexpr bool PART = MODE == DECODE_PART, EXT = MODE == DECODE_EXTRA;
     constexpr int L = D / 8;      /* lanes per token */
     constexpr int TPW = 32 / L;   /* tokens per warp step */
     constexpr int NSUB = NW * TPW;
-    constexpr int U = GVR_DECODE_U(HC); /* tokens per sub-warp step */
+    /* tokens per sub-warp step (fp8 caches too: twice as many, to keep a 2-byte cache's bytes in flight,
+     * measured no faster on the H100: B=64 2K 164.1 vs 164.3 us, B=1 8K 19.3 vs 18.8) */
+    constexpr int U = GVR_DECODE_U(HC);
     constexpr int SPAN = NW * TPW;                       /* tokens of one unroll slot over the CTA */
     constexpr float NEG_INF = -__builtin_huge_valf();
     using SM = Smem<D, HC, PART>;
+    using KV = KVPiece<KVE>;
+    using KR = typename KV::Raw;
+    constexpr int ESZ = KV::ESZ;
     __shared__ SM sm;
 
     pdl_enter();
@@ -335,10 +395,10 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     }
     /* the exclusion row (read through L1 by every thread that checks an entry: a warp's lanes mostly check
      * one entry, so the loads broadcast) */
-    const int32_t *xrow = a.xidx ? a.xidx + (long long)b * a.x_sb + (long long)kvh * a.x_sh : nullptr;
+    const int32_t *xrow = (EXT && a.xidx) ? a.xidx + (long long)b * a.x_sb + (long long)kvh * a.x_sh : nullptr;
     /* (hits, entries >= 0) of this thread's entries: counted once per idx row (the first chunk of KV head 0
      * when one row serves every KV head) */
-    const bool counting = a.counts != nullptr && chunk == 0 && (a.count_all || kvh == 0);
+    const bool counting = EXT && a.counts != nullptr && chunk == 0 && (a.count_all || kvh == 0);
     unsigned nhit = 0, nsel = 0;
     PROF(1);
     const bool blockmode = a.bt != nullptr;
@@ -366,8 +426,8 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
 
     const long long e0 = (long long)s * a.n / a.S, e1 = (long long)(s + 1) * a.n / a.S;
     const int32_t *irow = a.idx + (long long)b * a.idx_sb + (long long)kvh * a.idx_sh;
-    const char *kb = (const char *)a.k + 2 * ((long long)kvh * a.k_sh + d0);
-    const char *vb = (const char *)a.v + 2 * ((long long)kvh * a.v_sh + d0);
+    const char *kb = (const char *)a.k + ESZ * ((long long)kvh * a.k_sh + d0);
+    const char *vb = (const char *)a.v + ESZ * ((long long)kvh * a.v_sh + d0);
     const int G = a.G, P = a.P;
     const int32_t *btrow = a.bt + (long long)b * a.bt_sb;
     long long len = 0; /* block mode: tokens of the row; slot mode: slots of the cache (set_len) */
@@ -426,8 +486,8 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     auto resolve_finish = [&](bool ok, int pg, int slot, long long &ko, long long &vo) -> bool {
         ok = ok && pg >= 0 && (long long)pg < a.num_pages;
         if (ok) {
-            ko = 2 * ((long long)pg * a.k_sp + (long long)slot * a.k_st);
-            vo = 2 * ((long long)pg * a.v_sp + (long long)slot * a.v_st);
+            ko = ESZ * ((long long)pg * a.k_sp + (long long)slot * a.k_st);
+            vo = ESZ * ((long long)pg * a.v_sp + (long long)slot * a.v_st);
         }
         return ok;
     };
@@ -443,12 +503,12 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
     }
 
     /* one step of U tokens of this sub-warp (kr/vr: raw K/V, val: token present) */
-    auto step = [&](const uint4 (&kr)[U], const uint4 (&vr)[U], const bool (&val)[U]) {
+    auto step = [&](const KR (&kr)[U], const KR (&vr)[U], const bool (&val)[U]) {
         float sc[U][HC];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             float kf[8];
-            cvt8<ELEM>(kr[u], kf);
+            KV::cvt(kr[u], kf);
 #pragma unroll
             for (int h = 0; h < HC; h++) {
                 float acc = q[h][0] * kf[0];
@@ -519,14 +579,15 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
 #pragma unroll
         for (int u = 0; u < U; u++) {
             float vf[8];
-            cvt8<ELEM>(vr[u], vf);
+            KV::cvt(vr[u], vf);
 #pragma unroll
             for (int h = 0; h < HC; h++) {
                 const float p = ex2(sc[u][h] - mu[h]);
                 l[h] += p;
+                const float pv = p * a.vscale; /* V' = v_scale * V (p exactly when v_scale is 1) */
 #pragma unroll
                 for (int i = 0; i < 8; i++)
-                    o[h][i] = fmaf(p, vf[i], o[h][i]);
+                    o[h][i] = fmaf(pv, vf[i], o[h][i]);
             }
         }
     };
@@ -562,7 +623,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         /* tile t's loads of K and V at token position `base` of the tile (buffer t % 3, its prefix
          * counts pre): positions past the tile's tokens load its last token again (a valid address,
          * no branch) and are masked (val false, V zeroed) */
-        auto load_step = [&](int buf, const int (&pre)[NW + 1], int base, uint4 (&kr)[U], uint4 (&vr)[U], bool (&val)[U]) {
+        auto load_step = [&](int buf, const int (&pre)[NW + 1], int base, KR (&kr)[U], KR (&vr)[U], bool (&val)[U]) {
             const int total = pre[NW];
 #pragma unroll
             for (int u = 0; u < U; u++) {
@@ -574,8 +635,8 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
                 for (int i = 1; i < NW; i++)
                     if (j >= pre[i])
                         sl = i * 32 + (j - pre[i]);
-                kr[u] = ld_nc_v4(kb + sm.u.tile.koff[buf][sl]);
-                vr[u] = ld_nc_v4(vb + sm.u.tile.voff[buf][sl]);
+                kr[u] = KV::load(kb + sm.u.tile.koff[buf][sl]);
+                vr[u] = KV::load(vb + sm.u.tile.voff[buf][sl]);
             }
         };
         auto prefix = [&](int buf, int (&pre)[NW + 1]) {
@@ -609,13 +670,13 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             set_len();
         }
         load_q();
-        uint4 pk[U], pv[U];
+        KR pk[U], pv[U];
         bool pval[U];
         bool have_pf = false; /* pk/pv hold the first step of the current tile */
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            pk[u] = make_uint4(0, 0, 0, 0);
-            pv[u] = make_uint4(0, 0, 0, 0);
+            pk[u] = KV::zero();
+            pv[u] = KV::zero();
             pval[u] = false;
         }
         for (long long t = 0; t < ntiles; t++) {
@@ -646,7 +707,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
                 load_step(cur, pre, 0, pk, pv, pval);
             have_pf = false;
             for (int base = 0; base < total; base += SPAN * U) {
-                uint4 kr[U], vr[U];
+                KR kr[U], vr[U];
                 bool val[U];
 #pragma unroll
                 for (int u = 0; u < U; u++) {
@@ -663,12 +724,12 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
 #pragma unroll
                 for (int u = 0; u < U; u++)
                     if (!val[u])
-                        vr[u] = make_uint4(0, 0, 0, 0); /* p = 0 times V: keep V finite */
+                        vr[u] = KV::zero(); /* p = 0 times V: keep V finite */
                 step(kr, vr, val);
                 PROF(3);
             }
         }
-        if (a.counts) { /* this warp's counts: integer sums, any order gives the same */
+        if (EXT && a.counts) { /* this warp's counts: integer sums, any order gives the same */
             const unsigned hs = __reduce_add_sync(0xffffffffu, nhit), ss = __reduce_add_sync(0xffffffffu, nsel);
             if (lane == 0 && ss) {
                 atomicAdd(a.counts, (unsigned long long)hs);
@@ -716,16 +777,16 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
                     slot[u] = 0;
                     val[u] = i0 + u < G && resolve_issue(x, i0 + u, pg[u], slot[u]);
                 }
-                uint4 kr[U], vr[U];
+                KR kr[U], vr[U];
 #pragma unroll
                 for (int u = 0; u < U; u++) {
                     long long ko = 0, vo = 0;
                     val[u] = resolve_finish(val[u], pg[u], slot[u], ko, vo);
-                    kr[u] = make_uint4(0, 0, 0, 0);
-                    vr[u] = make_uint4(0, 0, 0, 0);
+                    kr[u] = KV::zero();
+                    vr[u] = KV::zero();
                     if (val[u]) {
-                        kr[u] = ld_nc_v4(kb + ko);
-                        vr[u] = ld_nc_v4(vb + vo);
+                        kr[u] = KV::load(kb + ko);
+                        vr[u] = KV::load(vb + vo);
                     }
                 }
                 step(kr, vr, val);
@@ -843,16 +904,22 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
 
     constexpr int D4 = D / 4, ITEMS = HC * D4;
 
+    /* this CTA's O of head h, elements [4 d4, 4 d4 + 4): the warps' rows of red combined with their weights */
+    auto cta_o = [&](int h, int d4) {
+        float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int i = 0; i < NW; i++)
+            O = fma4(sm.wts[i][h], *(const float4 *)(red + (i * HC + h) * D + d4 * 4), O);
+        return O;
+    };
+
     if constexpr (!PART) {
         if (a.part_cta) { /* this CTA's one entry (e0 = s): its state alone, normalized, is the entry's partial */
             for (int it = tid; it < ITEMS; it += THREADS) {
                 const int h = it / D4, d4 = it - h * D4;
                 if (h >= nh)
                     continue;
-                float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-                for (int i = 0; i < NW; i++)
-                    O = fma4(sm.wts[i][h], *(const float4 *)(sm.u.red + (i * HC + h) * D + d4 * 4), O);
+                const float4 O = cta_o(h, d4);
                 const float M = sm.hM[h], Ls = sm.hL[h];
                 const bool empty = M == NEG_INF;
                 const float inv = empty ? 0.f : 1.f / Ls;
@@ -865,15 +932,6 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         }
     }
 
-    /* this CTA's O of head h, elements [4 d4, 4 d4 + 4): the warps' rows of red combined with their weights */
-    auto cta_o = [&](int h, int d4) {
-        float4 O = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int i = 0; i < NW; i++)
-            O = fma4(sm.wts[i][h], *(const float4 *)(red + (i * HC + h) * D + d4 * 4), O);
-        return O;
-    };
-
     /* the final state of head h (log2 domain, O unnormalized) into out / lse */
     auto finalize = [&](int h, int d4, float4 O, float M, float Ls, float prior) {
         if (h >= nh)
@@ -883,7 +941,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         const int es = a.out_dtype == GVR_ELEM_F32 ? 4 : 2;
         char *op = (char *)a.out + (long long)es * ((long long)b * a.out_sb + hq * a.out_sh + d4 * 4);
         const bool empty = M == NEG_INF;
-        char *cp = a.cast ? (char *)a.cast + (long long)(a.cast_dtype == GVR_ELEM_F32 ? 4 : 2) *
+        char *cp = (EXT && a.cast) ? (char *)a.cast + (long long)(a.cast_dtype == GVR_ELEM_F32 ? 4 : 2) *
                                                  ((long long)b * a.cast_sb + hq * a.cast_sh + d4 * 4)
                           : nullptr;
         if (!a.accumulate) {
@@ -1095,13 +1153,13 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
 
 /* cluster launches: clusters of more than 8 CTAs (non-portable) and rank 0's dynamic shared memory, set
  * once per device */
-template <int ELEM, int D, int HC, bool PART>
+template <int ELEM, int KVE, int D, int HC, int MODE>
 cudaError_t decode_configure(int dev)
 {
     static DeviceCache<1> configured;
     if (configured.get(dev, 0))
         return cudaSuccess;
-    auto fn = gvr_attention_decode_kernel<ELEM, D, HC, PART>;
+    auto fn = gvr_attention_decode_kernel<ELEM, KVE, D, HC, MODE>;
     cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1111,25 +1169,25 @@ cudaError_t decode_configure(int dev)
     return e;
 }
 
-template <int ELEM, int D, int HC, bool PART>
-cudaError_t DecodeInstance<ELEM, D, HC, PART>::launch(const DecodeArgs &a, unsigned grid, int cluster, cudaStream_t stream)
+template <int ELEM, int KVE, int D, int HC, int MODE>
+cudaError_t DecodeInstance<ELEM, KVE, D, HC, MODE>::launch(const DecodeArgs &a, unsigned grid, int cluster, cudaStream_t stream)
 {
     size_t dyn = 0;
     if (cluster > 1) {
         int dev = 0;
         cudaError_t e = cudaGetDevice(&dev);
         if (e == cudaSuccess)
-            e = decode_configure<ELEM, D, HC, PART>(dev);
+            e = decode_configure<ELEM, KVE, D, HC, MODE>(dev);
         if (e != cudaSuccess)
             return e;
         dyn = (size_t)cluster * cluster_state_bytes(HC, D);
     }
     LaunchConfig lc(grid, THREADS, cluster > 1 ? cluster : 0, dyn, stream);
-    return cudaLaunchKernelEx(&lc.cfg, gvr_attention_decode_kernel<ELEM, D, HC, PART>, a);
+    return cudaLaunchKernelEx(&lc.cfg, gvr_attention_decode_kernel<ELEM, KVE, D, HC, MODE>, a);
 }
 
-template <int ELEM, int D, int HC, bool PART>
-bool DecodeInstance<ELEM, D, HC, PART>::cluster_ok(int dev, int C)
+template <int ELEM, int KVE, int D, int HC, int MODE>
+bool DecodeInstance<ELEM, KVE, D, HC, MODE>::cluster_ok(int dev, int C)
 {
     static DeviceCache<(MAX_CLUSTER > 1 ? MAX_CLUSTER : 1) + 1> cache; /* 1: yes, 2: no */
     if (C < 2 || C > MAX_CLUSTER)
@@ -1137,9 +1195,9 @@ bool DecodeInstance<ELEM, D, HC, PART>::cluster_ok(int dev, int C)
     int v = cache.get(dev, C);
     if (v == 0) {
         int n = 0;
-        if (decode_configure<ELEM, D, HC, PART>(dev) == cudaSuccess) {
+        if (decode_configure<ELEM, KVE, D, HC, MODE>(dev) == cudaSuccess) {
             LaunchConfig lc((unsigned)C, THREADS, C, (size_t)C * cluster_state_bytes(HC, D), nullptr, false);
-            if (cudaOccupancyMaxActiveClusters(&n, gvr_attention_decode_kernel<ELEM, D, HC, PART>, &lc.cfg) != cudaSuccess)
+            if (cudaOccupancyMaxActiveClusters(&n, gvr_attention_decode_kernel<ELEM, KVE, D, HC, MODE>, &lc.cfg) != cudaSuccess)
                 n = 0;
         }
         cudaGetLastError(); /* a failed query is not the caller's error */
