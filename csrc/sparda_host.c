@@ -14,7 +14,9 @@
 #include "intake.h"
 #include "ops.h"
 
-#define CACHE_DT (GVR_DT(GVR_DTYPE_F32) | GVR_DT(GVR_DTYPE_F16) | GVR_DT(GVR_DTYPE_BF16) | GVR_DT(GVR_DTYPE_U8))
+#define CACHE_DT                                                                                                       \
+    (GVR_DT(GVR_DTYPE_F32) | GVR_DT(GVR_DTYPE_F16) | GVR_DT(GVR_DTYPE_BF16) | GVR_DT(GVR_DTYPE_U8) |                   \
+     GVR_DT(GVR_DTYPE_F8E4M3))
 #define I32 GVR_DT(GVR_DTYPE_I32)
 #define I64 GVR_DT(GVR_DTYPE_I64)
 #define U8 GVR_DT(GVR_DTYPE_U8)

@@ -292,7 +292,9 @@ class HostKVCache:
 
     ``k(layer)`` / ``v(layer)``: ``[num_pages, P, Hkv, D]`` views (layout "NHD"; "HND" stores each page as
     ``[Hkv, P, D]`` and returns permuted views), zero-filled at creation; NumPy arrays for a NumPy dtype,
-    torch CPU tensors for a torch dtype (bfloat16 included). A block of :func:`prefetch` is one page.
+    torch CPU tensors for a torch dtype (bfloat16 and float8_e4m3fn included: an fp8 cache prefetched to an
+    fp8 staging cache is what ``gvr.sparse_attention(..., k_scale=, v_scale=)`` reads). A block of
+    :func:`prefetch` is one page.
     ``close()`` frees the memory now (BufferError while views of it are alive, as ``mmap``); also a context
     manager. Memory: ``2 * num_layers * num_pages * P * Hkv * D * itemsize`` bytes (``nbytes``).
     """
@@ -310,8 +312,9 @@ class HostKVCache:
         if self._torch:
             t = _torch()
             itemsize = t.empty((), dtype=dtype).element_size()
-            if dtype not in (t.float16, t.bfloat16, t.float32, t.uint8):
-                raise TypeError(f"'dtype' must be float16, bfloat16, float32 or uint8, got {dtype}")
+            fp8 = getattr(t, "float8_e4m3fn", None)
+            if dtype not in (t.float16, t.bfloat16, t.float32, t.uint8) and (fp8 is None or dtype != fp8):
+                raise TypeError(f"'dtype' must be float16, bfloat16, float32, float8_e4m3fn or uint8, got {dtype}")
         else:
             try:
                 npd = np.dtype(dtype)

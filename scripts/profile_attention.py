@@ -1,6 +1,7 @@
 """One sparse-attention cell of the benchmark's B=1 table (random 64-token blocks per KV head over a
 shuffled paged cache; Hq 32, Hkv 8, D 128, bf16), called --calls times, for Nsight Compute:
-ncu -k regex:gvr_attention --launch-skip 2 --launch-count 1 python scripts/profile_attention.py --tokens 1024"""
+ncu -k regex:gvr_attention --launch-skip 2 --launch-count 1 python scripts/profile_attention.py --tokens 1024
+(--fp8: the cache in float8_e4m3fn with k_scale / v_scale, as bench_attention.py's fp8 section)"""
 import argparse
 
 import torch
@@ -12,6 +13,7 @@ ap.add_argument("--tokens", type=int, default=1024, help="selected tokens per (r
 ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--context", type=int, default=131072)
 ap.add_argument("--calls", type=int, default=4)
+ap.add_argument("--fp8", action="store_true", help="fp8 (e4m3fn) K and V, scale 4/448")
 a = ap.parse_args()
 HQ, HKV, D, P, G = 32, 8, 128, 64, 64
 B, ctx = a.batch, a.context
@@ -22,9 +24,14 @@ v = torch.randn(pages, P, HKV, D, generator=g, device="cuda", dtype=torch.bfloat
 bt = torch.randperm(pages, generator=g, device="cuda").int().view(B, ctx // P)
 idx = torch.rand(B, HKV, ctx // G, generator=g, device="cuda").argsort(-1)[..., : a.tokens // G].int().contiguous()
 q = torch.randn(B, HQ, D, generator=g, device="cuda", dtype=torch.bfloat16)
+kw = {}
+if a.fp8:
+    s8 = 4.0 / 448
+    k, v = ((x.float() / s8).clamp_(-448, 448).to(torch.float8_e4m3fn) for x in (k, v))
+    kw = dict(k_scale=s8, v_scale=s8)
 out = torch.empty(B, HQ, D, device="cuda", dtype=torch.bfloat16)
 lse = torch.empty(B, HQ, device="cuda")
 for _ in range(a.calls):
-    gvr.sparse_attention(q, k, v, idx, block_table=bt, block_size=G, out=out, lse=lse)
+    gvr.sparse_attention(q, k, v, idx, block_table=bt, block_size=G, out=out, lse=lse, **kw)
 torch.cuda.synchronize()
 print("profile_attention: ok", float(out.float().abs().sum()))

@@ -22,7 +22,7 @@ from sparda_prefetch_reference import as_int_numpy, bits, prefetch_plan, prefetc
 
 torch = torch_or_none()
 
-ITEMSIZE = {"uint8": 1, "float16": 2, "bfloat16": 2, "float32": 4}
+ITEMSIZE = {"uint8": 1, "float8_e4m3fn": 1, "float16": 2, "bfloat16": 2, "float32": 4}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _SINT = {1: np.uint8, 2: np.int16, 4: np.int32}  # torch.from_numpy takes these
 
@@ -399,7 +399,7 @@ def test_shared_pages_are_separate_blocks():
 
 
 @pytest.mark.skipif(torch is None, reason="bfloat16 caches come as torch tensors")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn"])
 def test_torch_cpu_tensors(dtype):
     rng = np.random.default_rng(17)
     hk, hv = kv_pair(rng, 20, 64, 2, 64, dtype, "HND", combined=True, fw="torch")
@@ -446,6 +446,43 @@ def test_attention_round_trip(P, table, Hsel, layout):
         o1, l1 = gvr.sparse_attention(q, dk, dv, ix, lengths=lengths, block_table=sm, block_size=P)
         o2, l2 = gvr.sparse_attention(q, hk, hv, ix, lengths=lengths, block_table=bt_host, block_size=P)
         assert np.isfinite(l2).any() and not np.isnan(o1).any()
+        assert same_bits(o1, o2) and same_bits(l1, l2), f"step {step}"
+        resident = sm
+
+
+@pytest.mark.skipif(torch is None or not hasattr(torch, "float8_e4m3fn"), reason="fp8 caches come as torch tensors")
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_attention_round_trip_fp8(layout):
+    """An fp8 (e4m3fn) host cache: prefetch to an fp8 staging cache, then sparse_attention over it with the
+    slot map and k_scale / v_scale = bit for bit the attention over the host cache itself"""
+    rng = np.random.default_rng(41 + len(layout))
+    num_pages, P, Hkv, D, Hq, B, n = 14, 16, 2, 16, 4, 3, 5
+    inner = (P, Hkv, D) if layout == "NHD" else (Hkv, P, D)
+    codes = rng.integers(0, 256, (num_pages, 2) + inner).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes: the comparison below wants finite results
+    host = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+    hk, hv = host[:, 0], host[:, 1]
+    if layout == "HND":
+        hk, hv = hk.transpose(1, 2), hv.transpose(1, 2)
+    ix, bt, max_pages = selection(rng, B, Hkv, n, num_pages, 12)
+    lengths = torch.from_numpy(rng.integers(1, max_pages * P + 1, B).astype(np.int32))
+    S = s_min(B, Hkv, n, max_pages) + 2
+    stage = torch.full((2, S) + inner, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN: never read
+    dk, dv = stage[0], stage[1]
+    if layout == "HND":
+        dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
+    ixt, btt = torch.from_numpy(ix), torch.from_numpy(bt)
+    resident = None
+    for step in range(3):
+        if step:
+            ixt = torch.from_numpy(np.where(rng.random(ix.shape) < 0.5, ix, selection(rng, B, Hkv, n, num_pages, 12)[0])
+                                   .astype(np.int32))
+        sm = sparda().prefetch(hk, hv, ixt, dk, dv, block_table=btt, resident=resident)
+        q = torch.from_numpy(rng.standard_normal((B, Hq, D)).astype(np.float32)).bfloat16()
+        kw = dict(lengths=lengths, block_size=P, k_scale=0.02, v_scale=0.5)
+        o1, l1 = gvr.sparse_attention(q, dk, dv, ixt, block_table=sm, **kw)
+        o2, l2 = gvr.sparse_attention(q, hk, hv, ixt, block_table=btt, **kw)
+        assert torch.isfinite(l2).any() and not torch.isnan(o1.float()).any()
         assert same_bits(o1, o2) and same_bits(l1, l2), f"step {step}"
         resident = sm
 
@@ -680,28 +717,33 @@ def test_host_cache_context_manager():
 
 
 @pytest.mark.skipif(torch is None, reason="a torch dtype gives torch tensors")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_host_cache_torch_dtype(layout):
+def test_host_cache_torch_dtype(layout, dtype):
+    if not hasattr(torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
     rng = np.random.default_rng(23)
     N, P, Hkv, D = 5, 16, 2, 16
-    c = HostKVCache(2, N, P, Hkv, D, torch.bfloat16, device="cpu", layout=layout)
-    assert c.dtype == torch.bfloat16 and not c.pinned
+    tdt, isz = getattr(torch, dtype), ITEMSIZE[dtype]
+    ints = {1: torch.uint8, 2: torch.int16}[isz]
+    c = HostKVCache(2, N, P, Hkv, D, tdt, device="cpu", layout=layout)
+    assert c.dtype == tdt and not c.pinned
     k0 = c.k(0)
-    assert isinstance(k0, torch.Tensor) and k0.dtype == torch.bfloat16 and k0.device.type == "cpu"
-    assert tuple(k0.shape) == (N, P, Hkv, D) and not k0.view(torch.int16).any()
+    assert isinstance(k0, torch.Tensor) and k0.dtype == tdt and k0.device.type == "cpu"
+    assert tuple(k0.shape) == (N, P, Hkv, D) and not k0.view(ints).any()
     assert (k0.is_contiguous() if layout == "NHD" else k0.transpose(1, 2).is_contiguous())
     del k0
-    want = (np.zeros((N, P, Hkv, D), np.uint16),) * 2
+    want = (np.zeros((N, P, Hkv, D), _UINT[isz]),) * 2
     for _ in range(3):
         T = 20
-        k, v = kv_pair(rng, T, Hkv, 1, D, "bfloat16", fw="torch")  # [T, Hkv, 1, D] -> [T, Hkv, D]
+        k, v = kv_pair(rng, T, Hkv, 1, D, dtype, fw="torch")  # [T, Hkv, 1, D] -> [T, Hkv, D]
         k, v = k[:, :, 0], v[:, :, 0]
         slots = torch.from_numpy(rng.integers(-1, N * P, T))
         slots[5] = slots[2]
         want = store_reference(*want, k, v, slots, P)
         c.append(1, k, v, slots)
     assert same_bits(c.k(1), want[0]) and same_bits(c.v(1), want[1])
-    assert not c.k(0).view(torch.int16).any()
+    assert not c.k(0).view(ints).any()
     t = c.v(1)
     with pytest.raises(BufferError):
         c.close()
@@ -783,7 +825,7 @@ def gpu(cuda):
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["kernel", "memcpy", "tma"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e4m3fn"])
 @pytest.mark.parametrize("P", [16, 64, 256])
 def test_cuda_prefetch_equals_cpu(gpu, P, dtype, layout, method):
     torch_ = gpu
@@ -854,17 +896,19 @@ def test_cuda_numpy_host_cache_and_auto(gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_cuda_append_from_device_tensors(gpu, layout):
+def test_cuda_append_from_device_tensors(gpu, layout, dtype):
     torch_ = gpu
+    ints = {1: torch_.uint8, 2: torch_.int16}[ITEMSIZE[dtype]]
     rng = np.random.default_rng(32)
     N, P, Hkv, D = 8, 64, 2, 64
-    cache = HostKVCache(2, N, P, Hkv, D, torch_.bfloat16, device="cuda", layout=layout)
+    cache = HostKVCache(2, N, P, Hkv, D, getattr(torch_, dtype), device="cuda", layout=layout)
     assert cache.pinned and cache.k(0).is_pinned()
-    want = (np.zeros((N, P, Hkv, D), np.uint16),) * 2
+    want = (np.zeros((N, P, Hkv, D), _UINT[ITEMSIZE[dtype]]),) * 2
     for step in range(3):
         T = 300
-        k, v = kv_pair(rng, T, Hkv, 1, D, "bfloat16", fw="torch")
+        k, v = kv_pair(rng, T, Hkv, 1, D, dtype, fw="torch")
         k, v = k[:, :, 0], v[:, :, 0]
         slots = rng.integers(-1, N * P, T)
         slots[7] = slots[3]
@@ -876,9 +920,9 @@ def test_cuda_append_from_device_tensors(gpu, layout):
         cache.append(1, k.cuda(), v.cuda(), dslots)
         torch_.cuda.synchronize()
         assert same_bits(cache.k(1), want[0]) and same_bits(cache.v(1), want[1]), step
-    assert not cache.k(0).view(torch_.int16).any()
+    assert not cache.k(0).view(ints).any()
     # host tensors into a cuda cache
-    k, v = kv_pair(rng, 10, Hkv, 1, D, "bfloat16", fw="torch")
+    k, v = kv_pair(rng, 10, Hkv, 1, D, dtype, fw="torch")
     slots = np.arange(10) * 7
     want = store_reference(*want, k[:, :, 0], v[:, :, 0], slots, P)
     cache.append(1, k[:, :, 0], v[:, :, 0], torch_.from_numpy(slots))
