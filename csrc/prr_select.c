@@ -17,22 +17,25 @@
 #define FLOATS (GVR_DT(GVR_DTYPE_F32) | GVR_DT(GVR_DTYPE_F16) | GVR_DT(GVR_DTYPE_BF16))
 #define I32 GVR_DT(GVR_DTYPE_I32)
 #define F32 GVR_DT(GVR_DTYPE_F32)
+#define F8 GVR_DT(GVR_DTYPE_F8E4M3)
 #define ON_CALL (GVR_HOST | GVR_DEVICE)
 
-/* a CUDA buffer the kernels read in 16-byte pieces: aligned start, strides in multiples of 8 elements */
-static int check_vec16(const char *name, const void *ptr, const int64_t *s, int n)
+/* a CUDA buffer the kernels read in 16-byte pieces: aligned start, strides in multiples of 16 bytes */
+static int check_vec16(const char *name, const void *ptr, const int64_t *s, int n, int itemsize)
 {
+    const int per = 16 / (itemsize > 0 ? itemsize : 1); /* elements per 16 bytes */
     int ok = (uintptr_t)ptr % 16 == 0;
     for (int i = 0; i < n; i++)
-        ok &= s[i] % 8 == 0;
+        ok &= s[i] % per == 0;
     if (ok)
         return 0;
     char buf[160] = "";
     size_t at = 0;
     for (int i = 0; i < n && at < sizeof buf; i++)
         at += (size_t)snprintf(buf + at, sizeof buf - at, "%s%lld", i ? ", " : "", (long long)s[i]);
-    PyErr_Format(PyExc_ValueError, "'%s' on CUDA must start on a 16-byte boundary with strides in multiples of 8 "
-                 "elements (16 bytes), got address %% 16 = %d and strides (%s)", name, (int)((uintptr_t)ptr % 16), buf);
+    PyErr_Format(PyExc_ValueError, "'%s' on CUDA must start on a 16-byte boundary with strides in multiples of %d "
+                 "elements (16 bytes), got address %% 16 = %d and strides (%s)", name, per, (int)((uintptr_t)ptr % 16),
+                 buf);
     return -1;
 }
 
@@ -74,20 +77,20 @@ static int parse_block_size(PyObject *o, int32_t *bs)
 enum { MK, MBT, MLEN, MST, MMETA, META_NARGS };
 
 static const gvr_arg_spec build_args[META_NARGS] = {
-    [MK] = {"k_cache", FLOATS, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
+    [MK] = {"k_cache", FLOATS | F8, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [MBT] = {"block_table", I32, "B,max_pages", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [MLEN] = {"lengths", I32, "B", ON_CALL, GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
     [MST] = {"start", I32, "B", ON_CALL, GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
-    [MMETA] = {"out", FLOATS, "B,Hkv,Nb,2,D", ON_CALL, GVR_OUTPUT | GVR_UNIT_LAST, "k_cache", NULL},
+    [MMETA] = {"out", FLOATS | F8, "B,Hkv,Nb,2,D", ON_CALL, GVR_OUTPUT | GVR_UNIT_LAST, "k_cache", NULL},
 };
 static const gvr_spec build_spec = {"prr.block_metadata", META_NARGS, build_args};
 
 static const gvr_arg_spec update_args[META_NARGS] = {
-    [MK] = {"k_cache", FLOATS, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
+    [MK] = {"k_cache", FLOATS | F8, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [MBT] = {"block_table", I32, "B,max_pages", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [MLEN] = {"end", I32, "B", ON_CALL, GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
     [MST] = {"start", I32, "B", ON_CALL, GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
-    [MMETA] = {"meta", FLOATS, "B,Hkv,Nb,2,D", ON_CALL, GVR_OUTPUT | GVR_UNIT_LAST, "k_cache", NULL},
+    [MMETA] = {"meta", FLOATS | F8, "B,Hkv,Nb,2,D", ON_CALL, GVR_OUTPUT | GVR_UNIT_LAST, "k_cache", NULL},
 };
 static const gvr_spec update_spec = {"prr.update_block_metadata", META_NARGS, update_args};
 
@@ -186,8 +189,8 @@ PyObject *gvr_py_block_metadata(PyObject *self, PyObject *args, PyObject *kwds)
     if (in.device == GVR_DEV_CUDA) {
         const int64_t ks[3] = {p.k_stride_page, p.k_stride_tok, p.k_stride_head};
         const int64_t ms[4] = {p.meta_stride_b, p.meta_stride_h, p.meta_stride_j, p.meta_stride_m};
-        if (check_cuda_dtype_and_d(k, "k_cache", p.D) < 0 || check_vec16("k_cache", p.k, ks, 3) < 0 ||
-            check_vec16(mname, p.meta, ms, 4) < 0)
+        if (check_cuda_dtype_and_d(k, "k_cache", p.D) < 0 || check_vec16("k_cache", p.k, ks, 3, k->itemsize) < 0 ||
+            check_vec16(mname, p.meta, ms, 4, m->itemsize) < 0)
             goto fail;
         if (gvr_run_on_device(&in, cuda_meta, &p, NULL, 0, stream, update ? "gvr_prr_block_metadata (update)"
                                                               : "gvr_prr_block_metadata") < 0)
@@ -213,7 +216,8 @@ enum { SQ, SMETA, SLEN, SOUT, SCNT, SRAW, SCORES_NARGS };
 
 static const gvr_arg_spec scores_args[SCORES_NARGS] = {
     [SQ] = {"q", FLOATS, "B,Hq,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
-    [SMETA] = {"meta", FLOATS, "B,Hkv,Nb,2,D", ON_CALL, GVR_UNIT_LAST, "q", NULL},
+    /* q's dtype or float8_e4m3fn (the metadata of an fp8 cache): checked in gvr_py_block_scores */
+    [SMETA] = {"meta", FLOATS | F8, "B,Hkv,Nb,2,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [SLEN] = {"lengths", I32, "B", ON_CALL, GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
     [SOUT] = {"out", F32, "B,Hkv,Nb", ON_CALL, GVR_OUTPUT | GVR_ALLOC | GVR_UNIT_LAST, NULL, NULL},
     [SCNT] = {"counts", I32, "B,Hkv", ON_CALL, GVR_OPTIONAL | GVR_OUTPUT, NULL, NULL},
@@ -304,6 +308,10 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "'q' must have shape [B, Hq, D] with D >= 1, got D = %lld", (long long)D);
         goto fail;
     }
+    if (m->dtype != q->dtype && m->dtype != GVR_DTYPE_F8E4M3) {
+        PyErr_Format(PyExc_TypeError, "'meta' must be %s like 'q', or float8_e4m3fn, got %s", q->dtype_str, m->dtype_str);
+        goto fail;
+    }
     if (Hkv == 0 || Hq % Hkv) {
         PyErr_Format(PyExc_ValueError, "prr.block_scores: the query heads Hq = %lld (from 'q') must be a multiple of "
                      "the KV heads Hkv = %lld (from 'meta')", (long long)Hq, (long long)Hkv);
@@ -312,6 +320,7 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
     gvr_block_scores_params p;
     memset(&p, 0, sizeof p);
     p.dtype = gvr_elem_of(q->dtype);
+    p.meta_dtype = gvr_elem_of(m->dtype);
     p.B = (int32_t)B;
     p.Hq = (int32_t)Hq;
     p.Hkv = (int32_t)Hkv;
@@ -346,7 +355,7 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
     const int64_t cap = Nb * (int64_t)G;
     if (in.device == GVR_DEV_CUDA) {
         const int64_t ms[4] = {p.meta_stride_b, p.meta_stride_h, p.meta_stride_j, p.meta_stride_m};
-        if (check_cuda_dtype_and_d(q, "q", p.D) < 0 || check_vec16("meta", p.meta, ms, 4) < 0)
+        if (check_cuda_dtype_and_d(q, "q", p.D) < 0 || check_vec16("meta", p.meta, ms, 4, m->itemsize) < 0)
             goto fail;
         if (Hq / Hkv > GVR_PRR_SCORES_MAX_GQA) {
             PyErr_Format(PyExc_ValueError, "the GQA ratio Hq / Hkv on CUDA must be at most %d, got %lld / %lld",

@@ -200,10 +200,10 @@ _select_scores_op = define_op("prr_select_scores", "(Tensor q, Tensor meta, Tens
 def block_metadata(k_cache, block_table, lengths=None, *, block_size, out=None, stream=None):
     """Quest block metadata of a paged K cache -> ``meta [B, Hkv, Nb, 2, D]`` in k_cache's dtype.
 
-    k_cache:     paged ``[num_pages, P, Hkv, D]`` (float32, float16 or bfloat16 on the CPU; float16 or
-                 bfloat16 with D = 64, 128 or 256 on CUDA), any strides with unit stride along D (as
-                 ``gvr.sparse_attention`` takes it; on CUDA 16-byte aligned with strides in multiples
-                 of 8 elements).
+    k_cache:     paged ``[num_pages, P, Hkv, D]`` (float32, float16, bfloat16 or float8_e4m3fn on the CPU;
+                 float16, bfloat16 or float8_e4m3fn with D = 64, 128 or 256 on CUDA), any strides with unit
+                 stride along D (as ``gvr.sparse_attention`` takes it; on CUDA 16-byte aligned with strides
+                 in multiples of 16 bytes).
     block_table: int32 ``[B, max_pages]``: token t of row b is at page ``block_table[b, t // P]``, slot
                  ``t % P``; pages < 0 or >= num_pages hold no token (skipped, as sparse_attention does).
     lengths:     int32 ``[B]`` tokens per row (default max_pages * P), each in [0, max_pages * P].
@@ -213,8 +213,9 @@ def block_metadata(k_cache, block_table, lengths=None, *, block_size, out=None, 
     ``meta[b, h, j, 0, :]`` is the per-channel minimum and ``meta[b, h, j, 1, :]`` the maximum of the
     keys of head h over block j's tokens ``[j*G, min((j+1)*G, lengths[b]))`` — stored values exactly
     (compared in IEEE totalOrder: -0 < +0; NaN keys reach the max when positive, the min when
-    negative). A block with no token has min +inf and max -inf. Deterministic, bit for bit, and the
-    same bits on the CPU and on CUDA.
+    negative; fp8 bytes in the same order, -NaN < -448 < ... < 448 < +NaN). A block with no token has
+    min +inf and max -inf (fp8, which has no infinities: min +NaN, max -NaN). Deterministic, bit for
+    bit, and the same bits on the CPU and on CUDA.
     """
     if compiling():
         _check_traced_stream(stream, "prr.block_metadata")
@@ -246,9 +247,11 @@ def block_scores(q, meta, lengths=None, *, block_size, group_reduce="max", keep_
                  stream=None):
     """Quest block scores -> float32 ``[B, Hkv, Nb]``.
 
-    q:            ``[B, Hq, D]`` in meta's dtype (unit stride along D); Hq a multiple of Hkv; query
-                  head g belongs to KV head g // (Hq // Hkv).
-    meta:         ``[B, Hkv, Nb, 2, D]`` from ``block_metadata``.
+    q:            ``[B, Hq, D]`` in meta's dtype, or float16 / bfloat16 over fp8 metadata (unit stride along
+                  D); Hq a multiple of Hkv; query head g belongs to KV head g // (Hq // Hkv).
+    meta:         ``[B, Hkv, Nb, 2, D]`` from ``block_metadata`` (of an fp8 cache: float8_e4m3fn, decoded
+                  exactly; the scores are those of the stored values -- a positive per-tensor k_scale
+                  scales them all alike and selects the same blocks).
     lengths:      int32 ``[B]`` tokens per row (default Nb * block_size), in [0, Nb * block_size].
     group_reduce: "max" (default) or "sum": how the scores of a KV head's query heads combine.
     keep_first, keep_last: the first ``keep_first`` and the last ``keep_last`` valid blocks of each row

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 15
+#define GVR_ABI_VERSION 16
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -288,8 +288,10 @@ int gvr_prr_finalize(const gvr_finalize_params *p, void *stream);
  * hold no token), the per-channel minimum and maximum of the keys:
  *   meta[b, h, j, 0, d] = min over the block's tokens of k[t, h, d], meta[b, h, j, 1, d] = their max,
  * in k's element type (exact: stored values, compared as IEEE 754 totalOrder on the bits: -0 < +0,
- * NaNs with the sign bit below -inf, others above +inf). A block without tokens: min +inf, max -inf
- * ("empty"; a block is empty exactly when its channel-0 min is above its max in that order).
+ * NaNs with the sign bit below -inf, others above +inf; E4M3 on its sign-magnitude bytes: -NaN < -448
+ * < ... < -0 < +0 < ... < 448 < +NaN). A block without tokens: min +inf, max -inf (E4M3, which has no
+ * infinities: min +NaN 0x7F, max -NaN 0xFF) ("empty"; a block is empty exactly when its channel-0 min
+ * is above its max in that order).
  * Element at meta + b*meta_stride_b + h*meta_stride_h + j*meta_stride_j + m*meta_stride_m + d (m = 0:
  * min, 1: max). Nb blocks per row (meta's extent; the intake requires ceil(max_pages*P / G)).
  * Lengths (end) and start are clamped to [0, max_pages*P] (gvr._C raises for host values outside).
@@ -301,8 +303,8 @@ int gvr_prr_finalize(const gvr_finalize_params *p, void *stream);
  *    (its content only when it has no such token; the new tokens only when it was empty). Blocks
  *    wholly before s, or at or after ceil(e/G), are untouched. A meta built for lengths = start then
  *    updated to end equals the meta built for lengths = end.
- * CUDA: F16 and BF16, D in {64, 128, 256}, k and meta on 16-byte boundaries with strides in
- * multiples of 8 elements. Exact, so the split of the work over CTAs never shows in the result. */
+ * CUDA: F16, BF16 and E4M3, D in {64, 128, 256}, k and meta on 16-byte boundaries with strides in
+ * multiples of 16 bytes. Exact, so the split of the work over CTAs never shows in the result. */
 typedef struct {
     int32_t dtype; /* k and meta: GVR_ELEM_* */
     int32_t B, Hkv, D;
@@ -350,10 +352,13 @@ enum { GVR_GROUP_MAX = 0, GVR_GROUP_SUM = 1 };
  * before the keep ranges, i.e. what scores holds with keep_first = keep_last = 0 (-inf where scores
  * is -inf, R_g s_g where scores is +inf through a keep range), bit for bit (select_blocks' scores_out:
  * the scores PRR's EMA predictor folds in, without a second read of the metadata).
- * CUDA: F16 and BF16, D in {64, 128, 256}, GQ <= GVR_PRR_SCORES_MAX_GQA, meta on 16-byte boundaries
- * with strides in multiples of 8 elements. */
+ * meta_dtype: q's dtype, or E4M3 (the metadata of an fp8 cache), decoded exactly; the arithmetic is the
+ * same (a positive per-tensor k_scale would scale every score alike: it is not applied).
+ * CUDA: F16 and BF16 q, D in {64, 128, 256}, GQ <= GVR_PRR_SCORES_MAX_GQA, meta on 16-byte boundaries
+ * with strides in multiples of 8 elements (16 for E4M3). */
 typedef struct {
-    int32_t dtype; /* q and meta: GVR_ELEM_* */
+    int32_t dtype;      /* q: GVR_ELEM_* */
+    int32_t meta_dtype; /* meta: dtype or GVR_ELEM_E4M3 */
     int32_t B, Hq, Hkv, D, Nb;
     const void *q;
     int64_t q_stride_b, q_stride_h;

@@ -204,6 +204,16 @@ if only in (None, "prr"):
         sel = gvr.prr.select_blocks(q, meta, 5, lengths, block_size=G, group_reduce=reduce)
         csel = gvr.prr.select_blocks(q.cpu(), meta.cpu(), 5, lengths.cpu(), block_size=G, group_reduce=reduce)
         assert torch.equal(torch.sort(sel.cpu(), -1).values, torch.sort(csel, -1).values), ("select_blocks", reduce)
+    # fp8 (e4m3fn) K: metadata (build, update) and scores / selection over it, against the CPU
+    K8 = (K.float() * 20).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    K8.view(torch.uint8)[3, 2, 0, :5] = 0x7F  # NaN codes
+    m8 = gvr.prr.block_metadata(K8, bt, old, block_size=G)
+    gvr.prr.update_block_metadata(m8, K8, bt, old, lengths, block_size=G)
+    cm8 = gvr.prr.block_metadata(K8.cpu(), bt.cpu(), lengths.cpu(), block_size=G)
+    assert torch.equal(m8.view(torch.uint8).cpu(), cm8.view(torch.uint8)), "block_metadata fp8"
+    s8 = gvr.prr.block_scores(q, m8, lengths, block_size=G, keep_first=1, keep_last=1)
+    cs8 = gvr.prr.block_scores(q.cpu(), cm8, lengths.cpu(), block_size=G, keep_first=1, keep_last=1)
+    assert torch.equal(s8.cpu().nan_to_num(nan=7.0), cs8.nan_to_num(nan=7.0)), "block_scores fp8"
     Nb = meta.shape[2]
     ema = gvr.prr.EMAPredictor(B, Hkv, Nb, device=dev)
     nblk = (lengths + G - 1) // G

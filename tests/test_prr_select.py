@@ -7,6 +7,14 @@ float32 NumPy emulation of the documented summation order. Selections are compar
 argsort-based Top-K (ties to the lower block number).
 
 float32 and float16 run through NumPy; bfloat16 through torch CPU tensors.
+
+fp8 (e4m3fn) K caches (torch float8_e4m3fn CPU tensors; skipped without torch): metadata compared
+byte for byte with the reference's totalOrder fold over the codes (NaN codes 0x7F / 0xFF, signed zeros,
+subnormals, +-448 included; an empty block is (0x7F, 0xFF)); scores over fp8 metadata (bfloat16 /
+float16 / float32 q) held to the reference on the values e4m3_decode gives (the reference's own
+decoder) as above, and bit for bit to the scores of the same metadata decoded into q's dtype. NaN
+scores (a NaN code in a block's metadata) are compared as NaN where the reference is NaN: their sign
+and payload are not specified.
 """
 from __future__ import annotations
 
@@ -19,11 +27,15 @@ import gvr
 from gvr import _prr_select as prr
 from harness import torch_or_none
 from prr_select_reference import (
-    as_f64, make_case, metadata_ref, scores_abs, scores_order_f32, scores_ref, select_ref, to_numpy, valid_blocks,
+    E4M3_BY_RANK, E4M3_EMPTY_MAX, E4M3_EMPTY_MIN, E4M3_RANK, FP8, as_f64, e4m3_decode, empty_ref, fp8_codes,
+    make_case, metadata_ref, random_fp8_codes, scores_abs, scores_order_f32, scores_ref, select_ref, to_numpy,
+    valid_blocks,
 )
 
 torch = torch_or_none()
 needs_torch = pytest.mark.skipif(torch is None, reason="bfloat16 CPU inputs and torch ops need torch")
+needs_fp8 = pytest.mark.skipif(torch is None or not hasattr(torch, "float8_e4m3fn"),
+                               reason="fp8 K caches are torch float8_e4m3fn tensors: needs torch")
 DTYPES = ["float32", "float16", pytest.param("bfloat16", marks=needs_torch)]
 PG = [(16, 16), (16, 64), (64, 16), (8, 32), (32, 8), (1, 4), (4, 1), (16, 48)]
 
@@ -39,26 +51,37 @@ def bits(x):
         x = x.detach().cpu()
         if x.dtype == torch.bfloat16:
             return x.view(torch.int16).numpy().view(np.uint16)
+        if x.element_size() == 1:  # float8_e4m3fn: its codes
+            return x.view(torch.uint8).numpy()
         x = x.numpy()
     x = np.ascontiguousarray(x)
-    return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize])
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize])
+
+
+def nan_bits(x):
+    """bits() of a float32 array with every NaN as 0x7FC00000 (the sign and payload of a NaN score are
+    not specified)."""
+    x = np.array(to_numpy(x), dtype=np.float32)
+    x[np.isnan(x)] = np.float32(np.nan)
+    return x.view(np.uint32)
 
 
 def check_scores(got, q, meta, lengths, G, **kw):
     ref = scores_ref(q, meta, lengths, G, **kw)
     got = to_numpy(got).astype(np.float64)
     assert got.shape == ref.shape
-    inf = np.isinf(ref)
+    inf, nan = np.isinf(ref), np.isnan(ref)
     assert np.array_equal(got[inf], ref[inf]), "masked / kept blocks differ"
+    assert np.array_equal(np.isnan(got), nan), f"NaN scores differ at {np.argwhere(np.isnan(got) != nan)[:5]}"
     D = to_numpy(q).shape[-1]
-    bound = scores_abs(q, meta) * (D + 4) * 2.0**-24 + 1e-30
     with np.errstate(invalid="ignore"):
+        bound = scores_abs(q, meta) * (D + 4) * 2.0**-24 + 1e-30
         err = np.abs(got - ref)
-    bad = ~inf & ~(err <= bound)
+    bad = ~inf & ~nan & ~(err <= bound)
     assert not bad.any(), f"scores off at {np.argwhere(bad)[:5]}: got {got[bad][:5]}, ref {ref[bad][:5]}"
-    # the documented order, bit for bit
+    # the documented order, bit for bit (NaN as NaN)
     want = scores_order_f32(q, meta, lengths, G, **kw)
-    assert np.array_equal(bits(to_numpy(got).astype(np.float32)), bits(want)), "not the documented summation order"
+    assert np.array_equal(nan_bits(got), nan_bits(want)), "not the documented summation order"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -595,3 +618,393 @@ def test_bad_scores_out_is_named_and_nothing_is_modified():
         _raises(TypeError, "scores_out", sb, tq, tm, 2, block_size=8, scores_out=torch.zeros((3, 2, Nb),
                                                                                             dtype=torch.float64))
         _raises(ValueError, "scores_out", sb, tq, tm, 2, block_size=8, scores_out=torch.zeros((3, 2, Nb - 1)))
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8 (e4m3fn) K caches and metadata
+# --------------------------------------------------------------------------------------------------
+FP8_PG = [(16, 16), (16, 64), (64, 16), (8, 32), (4, 1), (16, 48)]
+FP8_Q = ["bfloat16", "float16"]
+
+
+def fp8_case(rng, dtype="bfloat16", **kw):
+    return make_case(rng, dtype=dtype, kv_dtype=FP8, **kw)
+
+
+def fp8(codes):
+    """a torch float8_e4m3fn tensor over (a copy of) uint8 codes"""
+    return torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)).view(torch.float8_e4m3fn)
+
+
+def fp8_meta_of(c, lengths="case", **kw):
+    k, bt, ln, _ = c.args("torch")
+    return prr.block_metadata(k, bt, ln if lengths == "case" else lengths, block_size=c.block_size, **kw)
+
+
+def snapshot(*xs):
+    return [(x, bits(x).copy()) for x in xs if x is not None]
+
+
+def assert_unchanged(snaps, what=""):
+    for x, b in snaps:
+        assert np.array_equal(bits(x), b), f"{what}: an input was modified"
+
+
+def fold_codes(rows):
+    """(min, max) codes per channel of uint8 code rows [n, D] in totalOrder (n >= 1)"""
+    r = E4M3_RANK[np.asarray(rows, np.uint8)]
+    return E4M3_BY_RANK[r.min(axis=0)], E4M3_BY_RANK[r.max(axis=0)]
+
+
+@needs_fp8
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("P,G", FP8_PG, ids=[f"P{p}-G{g}" for p, g in FP8_PG])
+def test_fp8_metadata_against_reference(P, G, layout):
+    rng = np.random.default_rng(500 + P * 100 + G)
+    c = fp8_case(rng, B=5, Hkv=2, D=12, P=P, G=G, max_pages=max(2, 96 // P), bad_pages=0.1, layout=layout,
+                 specials=0.15, nans=40)
+    k, bt, ln, _ = c.args("torch")
+    snaps = snapshot(k, bt, ln)
+    m = prr.block_metadata(k, bt, ln, block_size=G)
+    assert m.dtype == torch.float8_e4m3fn and tuple(m.shape) == (5, 2, c.shape["Nb"], 2, 12)
+    ref = metadata_ref(k, bt, ln, G)
+    assert ref.dtype == np.uint8
+    assert np.array_equal(bits(m), ref)
+    assert_unchanged(snaps, "block_metadata")
+
+
+@needs_fp8
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fp8_metadata_head_dims(layout):
+    rng = np.random.default_rng(501)
+    for D in (1, 7, 16, 64, 128, 256):
+        c = fp8_case(rng, B=3, Hkv=3, D=D, P=16, G=32, max_pages=4, layout=layout, nans=D // 4)
+        m = fp8_meta_of(c)
+        assert np.array_equal(bits(m), metadata_ref(c.k_cache, c.block_table, c.lengths, 32)), f"D={D}"
+
+
+@needs_fp8
+def test_fp8_metadata_total_order_by_hand():
+    # 10 channels, 1 head, P = G = 4; block 0 = page 0 (4 tokens), block 1 = tokens 4, 5 of page 1
+    # (slots 2, 3 past the length hold NaN codes, never read), block 2 = a page out of range: empty
+    blk0 = np.array([
+        [0x00, 0x80, 0x00, 0x00],  # +0 / -0: min -0, max +0
+        [0x80, 0x80, 0x80, 0x80],  # all -0
+        [0x08, 0x7F, 0xF0, 0x30],  # +NaN is the max
+        [0x08, 0xFF, 0xF0, 0x30],  # -NaN is the min
+        [0x7F, 0xFF, 0x00, 0x80],  # both NaNs
+        [0x7E, 0xFE, 0x01, 0x81],  # +-448 and the smallest subnormals
+        [0x01, 0x81, 0x00, 0x02],  # subnormals and +0
+        [0x87, 0x88, 0x07, 0x08],  # the largest subnormals, the smallest normals
+        [0x7F, 0x7F, 0x7F, 0x7F],  # all +NaN
+        [0xFF, 0xFF, 0xFF, 0xFF],  # all -NaN
+    ], np.uint8).T  # [4 tokens, 10 channels]
+    want0 = (np.array([0x80, 0x80, 0xF0, 0xFF, 0xFF, 0xFE, 0x81, 0x88, 0x7F, 0xFF], np.uint8),
+             np.array([0x00, 0x80, 0x7F, 0x30, 0x7F, 0x7E, 0x02, 0x08, 0x7F, 0xFF], np.uint8))
+    page1 = np.array([[0x81] * 10, [0x01] * 10, [0x7F] * 10, [0xFF] * 10], np.uint8)
+    page1[1, 3] = 0x80
+    want1 = (np.array([0x81] * 10, np.uint8), np.array([0x01] * 3 + [0x80] + [0x01] * 6, np.uint8))
+    codes = np.stack([blk0, page1])[:, :, None, :]  # [2, 4, 1, 10]
+    k = fp8(codes)
+    bt = torch.tensor([[0, 1, -1]], dtype=torch.int32)
+    m = prr.block_metadata(k, bt, torch.tensor([6], dtype=torch.int32), block_size=4)
+    got = bits(m)[0, 0]  # [3, 2, 10]
+    assert np.array_equal(got[0, 0], want0[0]) and np.array_equal(got[0, 1], want0[1])
+    assert np.array_equal(got[1, 0], want1[0]) and np.array_equal(got[1, 1], want1[1])
+    assert np.all(got[2, 0] == E4M3_EMPTY_MIN) and np.all(got[2, 1] == E4M3_EMPTY_MAX)
+    assert np.array_equal(bits(m), metadata_ref(k, bt, np.array([6]), 4))
+    assert np.array_equal(got[0, 0], fold_codes(blk0)[0]) and np.array_equal(got[0, 1], fold_codes(blk0)[1])
+
+
+@needs_fp8
+def test_fp8_metadata_empty_blocks_lengths_default_and_out():
+    rng = np.random.default_rng(502)
+    c = fp8_case(rng, B=3, D=16, P=4, G=8, max_pages=6, lengths=[0, 24, 5], nans=6)
+    c.block_table[1, 2:4] = -1  # block 1 of row 1: both its pages out of range
+    m = bits(fp8_meta_of(c))
+    assert np.all(m[0, :, :, 0] == 0x7F) and np.all(m[0, :, :, 1] == 0xFF)
+    assert np.all(m[1, :, 1, 0] == 0x7F) and np.all(m[1, :, 1, 1] == 0xFF)
+    assert np.all(m[2, :, 1:, 0] == 0x7F) and np.all(m[2, :, 1:, 1] == 0xFF)
+    assert np.array_equal(empty_ref(fp8(m)), (m[..., 0, 0] == 0x7F) & (m[..., 1, 0] == 0xFF))
+    assert np.array_equal(m, metadata_ref(c.k_cache, c.block_table, c.lengths, 8))
+    k, bt, _, _ = c.args("torch")
+    full = prr.block_metadata(k, bt, block_size=8)
+    assert np.array_equal(bits(full), metadata_ref(k, bt, None, 8))
+    # out: a strided fp8 view, written where it is, nothing else
+    Nb = c.shape["Nb"]
+    big = torch.full((3, 2, Nb, 3, 40), 0x5A, dtype=torch.uint8)
+    out = big.view(torch.float8_e4m3fn)[:, :, :, 1:, 3:19]
+    r = prr.block_metadata(k, bt, torch.from_numpy(c.lengths), block_size=8, out=out)
+    assert r is out
+    assert np.array_equal(bits(out), m)
+    assert torch.all(big[:, :, :, 0] == 0x5A) and torch.all(big[..., :3] == 0x5A) and torch.all(big[..., 19:] == 0x5A)
+
+
+@needs_fp8
+@pytest.mark.parametrize("P,G", [(16, 16), (4, 16), (16, 4), (8, 24)], ids=["P16-G16", "P4-G16", "P16-G4", "P8-G24"])
+def test_fp8_update_equals_rebuild(P, G):
+    rng = np.random.default_rng(503 + P + G)
+    c = fp8_case(rng, B=4, D=24, P=P, G=G, max_pages=max(3, 64 // P), bad_pages=0.1, lengths="full", nans=30)
+    k, bt, _, _ = c.args("torch")
+    snaps = snapshot(k, bt)
+    cap = c.shape["max_pages"] * P
+    cur = torch.tensor([0, 3, G, cap // 2], dtype=torch.int32)
+    meta = prr.block_metadata(k, bt, cur.clone(), block_size=G)
+    for step in [1, 1, G - 1, 2, 0, G + 3, 1, 5 * G, cap]:
+        new = torch.clamp(cur + torch.tensor([step, step, 1, 2 * step], dtype=torch.int32), max=cap).to(torch.int32)
+        r = prr.update_block_metadata(meta, k, bt, cur, new, block_size=G)
+        assert r is meta and meta.dtype == torch.float8_e4m3fn
+        want = prr.block_metadata(k, bt, new, block_size=G)
+        assert np.array_equal(bits(meta), bits(want)), f"step {step}: update != rebuild"
+        cur = new
+    assert np.array_equal(bits(meta), metadata_ref(k, bt, cur, G))
+    assert_unchanged(snaps, "update_block_metadata")
+
+
+@needs_fp8
+def test_fp8_update_merges_in_total_order_and_touches_only_its_blocks():
+    rng = np.random.default_rng(504)
+    G, D = 8, 16
+    c = fp8_case(rng, B=2, D=D, P=4, G=G, max_pages=8, lengths="full", nans=12, specials=0.3)
+    k, bt, _, _ = c.args("torch")
+    Nb = c.shape["Nb"]
+    # a non-empty content: per channel two codes ordered by rank
+    pair = np.sort(E4M3_RANK[random_fp8_codes(rng, (2, 2, Nb, 2, D), specials=0.3, nans=20)], axis=3)
+    content = E4M3_BY_RANK[pair]
+    content[0, :, 0, :, 0] = [0x80, 0x00]  # row 0, block 0, channel 0: (-0, +0), not empty
+    content[1, :, 1, :, 0] = [0x00, 0x80]  # row 1, block 1, channel 0: (+0, -0): empty in totalOrder
+    content[1, :, 1, 0, 1:] = 0xFE  # ... so its other channels (-448, 448) are not merged
+    content[1, :, 1, 1, 1:] = 0x7E
+    meta = fp8(content)
+    start = torch.tensor([3, 12], dtype=torch.int32)
+    end = torch.tensor([13, 21], dtype=torch.int32)
+    prr.update_block_metadata(meta, k, bt, start, end, block_size=G)
+    got = bits(meta)
+
+    def tok_rows(b, lo, hi):  # codes [n, Hkv, D] of row b's tokens lo..hi-1
+        return np.stack([c.codes[c.block_table[b, t // 4], t % 4] for t in range(lo, hi)])
+
+    changed = {(0, 0), (0, 1), (1, 1), (1, 2)}
+    merged_matters = []
+    for b in range(2):
+        for j in range(Nb):
+            if (b, j) not in changed:
+                assert np.array_equal(got[b, :, j], content[b, :, j]), f"row {b} block {j} touched"
+    for h in range(2):
+        # row 0, block 0: merged with its content (tokens 3..7)
+        mn, mx = fold_codes(np.concatenate([tok_rows(0, 3, 8)[:, h], content[0, h, 0]]))
+        assert np.array_equal(got[0, h, 0, 0], mn) and np.array_equal(got[0, h, 0, 1], mx)
+        assert E4M3_RANK[got[0, h, 0, 0, 0]] <= E4M3_RANK[0x80]  # the content's -0 took part
+        alone = fold_codes(tok_rows(0, 3, 8)[:, h])
+        merged_matters.append(not (np.array_equal(mn, alone[0]) and np.array_equal(mx, alone[1])))
+        # row 0, block 1: rebuilt from tokens 8..12
+        mn, mx = fold_codes(tok_rows(0, 8, 13)[:, h])
+        assert np.array_equal(got[0, h, 1, 0], mn) and np.array_equal(got[0, h, 1, 1], mx)
+        # row 1, block 1: its content is empty (channel 0): the new tokens 12..15 only
+        mn, mx = fold_codes(tok_rows(1, 12, 16)[:, h])
+        assert np.array_equal(got[1, h, 1, 0], mn) and np.array_equal(got[1, h, 1, 1], mx)
+        # row 1, block 2: rebuilt from tokens 16..20
+        mn, mx = fold_codes(tok_rows(1, 16, 21)[:, h])
+        assert np.array_equal(got[1, h, 2, 0], mn) and np.array_equal(got[1, h, 2, 1], mx)
+    assert any(merged_matters), "the case does not tell a merge from a rebuild"
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", FP8_Q)
+@pytest.mark.parametrize("D", [1, 8, 13, 64, 200])
+@pytest.mark.parametrize("GQ", [1, 4])
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_fp8_scores_against_reference(D, GQ, reduce, dtype):
+    rng = np.random.default_rng(505 + D * 10 + GQ)
+    c = fp8_case(rng, dtype, B=4, Hkv=2, GQ=GQ, D=D, P=8, G=16, max_pages=8, bad_pages=0.1, nans=3)
+    k, bt, ln, q = c.args("torch")
+    meta = prr.block_metadata(k, bt, ln, block_size=16)
+    snaps = snapshot(q, meta, ln)
+    kw = dict(group_reduce=reduce, keep_first=1, keep_last=2) if reduce == "sum" else dict(group_reduce=reduce)
+    s = prr.block_scores(q, meta, ln, block_size=16, **kw)
+    assert s.dtype == torch.float32 and tuple(s.shape) == (4, 2, c.shape["Nb"])
+    check_scores(s, q, meta, ln, 16, **kw)
+    assert_unchanged(snaps, "block_scores")
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_fp8_scores_are_those_of_the_decoded_metadata(dtype):
+    """fp8 metadata scores bit for bit as the same values held in q's dtype (exact there), empty
+    blocks as (+inf, -inf)."""
+    rng = np.random.default_rng(506)
+    c = fp8_case(rng, dtype, B=5, Hkv=2, GQ=3, D=40, P=4, G=8, max_pages=10, bad_pages=0.1, nans=4)
+    k, bt, ln, q = c.args("torch")
+    meta = prr.block_metadata(k, bt, ln, block_size=8)
+    vals = e4m3_decode(fp8_codes(meta))
+    emp = empty_ref(meta)
+    vals[emp] = np.array([np.inf, -np.inf])[:, None]
+    dec = torch.from_numpy(vals).to(q.dtype)
+    assert np.array_equal(to_numpy(dec).astype(np.float64)[~emp], vals[~emp], equal_nan=True)  # exact in q's dtype
+    for kw in (dict(), dict(group_reduce="sum", keep_first=2, keep_last=1), dict(keep_first=100)):
+        s8 = prr.block_scores(q, meta, ln, block_size=8, **kw)
+        sd = prr.block_scores(q, dec, ln, block_size=8, **kw)
+        assert np.array_equal(nan_bits(s8), nan_bits(sd)), kw
+        check_scores(s8, q, meta, ln, 8, **kw)
+
+
+@needs_fp8
+def test_fp8_scores_empty_rule_and_nan_by_hand():
+    # channel 0's (min, max) per block; the other channels finite and ordered
+    ch0 = [(0x7F, 0xFF), (0x00, 0x80), (0x80, 0x00), (0x01, 0x00), (0x7F, 0x7F), (0xFF, 0xFF), (0xFF, 0x7F),
+           (0xFE, 0x7E)]
+    kind = ["empty", "empty", "finite", "empty", "nan", "nan", "nan", "finite"]
+    rng = np.random.default_rng(507)
+    codes = np.sort(E4M3_RANK[random_fp8_codes(rng, (1, 1, 8, 2, 8), specials=0.2)], axis=3)
+    codes = E4M3_BY_RANK[codes]
+    codes[0, 0, :, :, 0] = ch0
+    meta = fp8(codes)
+    q = torch.from_numpy(rng.standard_normal((1, 2, 8)).astype(np.float32) + 0.1).to(torch.bfloat16)
+    for kw in (dict(), dict(group_reduce="sum")):
+        s = prr.block_scores(q, meta, block_size=8, **kw)[0, 0].numpy()
+        for j, kd in enumerate(kind):
+            if kd == "empty":
+                assert s[j] == -np.inf, j
+            elif kd == "nan":
+                assert np.isnan(s[j]), j
+            else:
+                assert np.isfinite(s[j]), j
+        check_scores(s[None, None], q, meta, None, 8, **kw)
+    s = prr.block_scores(q, meta, block_size=8, keep_first=8)[0, 0].numpy()
+    assert s.tolist() == [-np.inf if kd == "empty" else np.inf for kd in kind]
+    sel = prr.select_blocks(q, meta, 8, block_size=8, init_blocks=0, local_blocks=0, sorted=True)[0, 0].tolist()
+    # descending: the finite blocks (2, 7 in score order), the empty ones (-inf, by number), then NaN
+    fin = sorted([2, 7], key=lambda j: (-float(prr.block_scores(q, meta, block_size=8)[0, 0, j]), j))
+    assert sel == fin + [0, 1, 3] + [4, 5, 6]
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", FP8_Q)
+@pytest.mark.parametrize("k", [0, 1, 3, 8, 40])
+def test_fp8_select_blocks_is_topk_of_the_scores(k, dtype):
+    rng = np.random.default_rng(508 + k)
+    c = fp8_case(rng, dtype, B=5, Hkv=2, GQ=4, D=16, P=8, G=8, max_pages=8, bad_pages=0.05, nans=2)
+    _, _, ln, q = c.args("torch")
+    meta = fp8_meta_of(c)
+    snaps = snapshot(q, meta, ln)
+    Nb = c.shape["Nb"]
+    for init, local, reduce in ((1, 2, "max"), (0, 0, "sum"), (3, 1, "max")):
+        so = torch.full((5, 2, Nb), 7.0)
+        sel = prr.select_blocks(q, meta, k, ln, block_size=8, init_blocks=init, local_blocks=local,
+                                group_reduce=reduce, scores_out=so)
+        assert sel.shape == (5, 2, k) and sel.dtype == torch.int32
+        s = prr.block_scores(q, meta, ln, block_size=8, keep_first=init, keep_last=local, group_reduce=reduce)
+        check_scores(s, q, meta, ln, 8, keep_first=init, keep_last=local, group_reduce=reduce)
+        raw = prr.block_scores(q, meta, ln, block_size=8, group_reduce=reduce)
+        assert np.array_equal(bits(so), bits(raw)), "scores_out is not block_scores without keeps"
+        want = select_ref(to_numpy(s), valid_blocks(c.lengths, 5, Nb, 8), k)
+        got = np.sort(np.where(to_numpy(sel) < 0, np.iinfo(np.int32).max, to_numpy(sel)), axis=-1)
+        got = np.where(got == np.iinfo(np.int32).max, -1, got)
+        assert np.array_equal(got, want)
+    assert_unchanged(snaps, "select_blocks")
+
+
+@needs_fp8
+@pytest.mark.parametrize("dtype", FP8_Q)
+def test_fp8_select_blocks_feed_sparse_attention(dtype):
+    from attention_reference import sparse_attention_naive, sparse_attention_ref
+    from harness import assert_close
+
+    rng = np.random.default_rng(509 + len(dtype))
+    c = fp8_case(rng, dtype, B=3, Hkv=2, GQ=2, D=16, P=8, G=16, max_pages=8, lengths=[64, 37, 1], specials=0.02)
+    k, bt, ln, q = c.args("torch")
+    v = fp8(random_fp8_codes(rng, tuple(k.shape), specials=0.02))
+    meta = prr.block_metadata(k, bt, ln, block_size=16)
+    kw = dict(block_table=bt, lengths=ln, block_size=16, k_scale=0.37, v_scale=2.5)
+    snaps = snapshot(q, k, v, bt, ln, meta)
+    Nb = c.shape["Nb"]
+    dense = torch.arange(Nb, dtype=torch.int32).expand(3, 2, Nb).contiguous()
+    for sel in (prr.select_blocks(q, meta, 3, ln, block_size=16),
+                prr.select_blocks(q, meta, Nb, ln, block_size=16), dense):  # all valid blocks: the whole row
+        o, l = gvr.sparse_attention(q, k, v, sel, **kw)
+        ro, rl = sparse_attention_ref(q, k, v, sel, **kw)
+        no, nl = sparse_attention_naive(q, k, v, sel, **kw, dtype=dtype)
+        assert_close(to_numpy(o), ro, no, dtype, what="out")
+        assert_close(to_numpy(l), rl, nl, dtype, what="lse")
+    assert_unchanged(snaps, "select_blocks / sparse_attention")
+
+
+@needs_fp8
+def test_fp8_results_do_not_depend_on_the_thread_count_and_are_deterministic():
+    rng = np.random.default_rng(510)
+    c = fp8_case(rng, B=4, Hkv=8, GQ=2, D=64, P=16, G=16, max_pages=32, lengths="full", nans=8)
+    k, bt, _, q = c.args("torch")
+    n0 = gvr._C.get_num_threads()
+    try:
+        res = []
+        for n in (1, 3, 3):
+            gvr._C.set_num_threads(n)
+            m = prr.block_metadata(k, bt, block_size=16)
+            res.append((bits(m), nan_bits(prr.block_scores(q, m, block_size=16)),
+                        prr.select_blocks(q, m, 5, block_size=16, sorted=True).numpy()))
+    finally:
+        gvr._C.set_num_threads(0 if n0 is None else n0)
+    for r in res[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(res[0], r))
+
+
+@needs_fp8
+def test_fp8_opcheck_and_compile():
+    rng = np.random.default_rng(511)
+    c = fp8_case(rng, B=2, GQ=2, D=8, P=4, G=8, max_pages=4, lengths="full")
+    k, bt, ln, q = c.args("torch")
+    meta = prr.block_metadata(k, bt, ln, block_size=8)
+    # opcheck's test_schema does arithmetic on the inputs, which torch's CPU fp8 lacks ("mul" not
+    # implemented for Float8_e4m3fn): the other checks; what the ops mutate is checked by hand below
+    tu = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.gvr.prr_block_metadata.default, (k, bt, ln, 8), test_utils=tu)
+    torch.library.opcheck(torch.ops.gvr.prr_update_block_metadata.default, (meta.clone(), k, bt, ln // 2, ln, 8),
+                          test_utils=tu)
+    torch.library.opcheck(torch.ops.gvr.prr_block_scores.default, (q, meta, ln, 8, "max", 1, 2), test_utils=tu)
+    torch.library.opcheck(torch.ops.gvr.prr_select_scores.default, (q, meta, ln, 8, "sum", 0, 1), test_utils=tu)
+    snaps = snapshot(k, bt, ln, q, meta)
+    m2 = meta.clone()
+    torch.ops.gvr.prr_update_block_metadata(m2, k, bt, ln // 2, ln, 8)
+    torch.ops.gvr.prr_block_scores(q, meta, ln, 8, "max", 1, 2)
+    torch.ops.gvr.prr_select_scores(q, meta, ln, 8, "sum", 0, 1)
+    assert_unchanged(snaps, "the ops")
+    assert np.array_equal(bits(torch.ops.gvr.prr_block_metadata(k, bt, ln, 8)), bits(meta))
+    assert np.array_equal(bits(m2), bits(meta))  # meta of lengths ln, updated from ln // 2 to ln: unchanged
+    torch._dynamo.reset()
+    start, end = torch.tensor([3, 9], dtype=torch.int32), torch.tensor([11, 16], dtype=torch.int32)
+    m0 = prr.block_metadata(k, bt, start, block_size=8)
+    m1 = m0.clone()
+    want = _select_step(k, bt, start, end, q, m0)
+    got = torch.compile(_select_step, fullgraph=True, backend="aot_eager")(k, bt, start, end, q, m1)
+    assert np.array_equal(bits(m0), bits(m1))
+    for g, w in zip(got, want):
+        assert np.array_equal(bits(g), bits(w))
+
+
+@needs_fp8
+def test_fp8_bad_inputs_are_named_and_nothing_is_modified():
+    rng = np.random.default_rng(512)
+    c = fp8_case(rng, B=2, GQ=2, D=8, P=4, G=8, max_pages=4)
+    k, bt, ln, q = c.args("torch")
+    meta = prr.block_metadata(k, bt, ln, block_size=8)
+    Nb = meta.shape[2]
+    out = torch.full((2, 2, 2), 99, dtype=torch.int32)
+    so = torch.full((2, 2, Nb), 7.0)
+    snaps = snapshot(k, bt, ln, q, meta, out, so)
+    bm, up, bs, sb = prr.block_metadata, prr.update_block_metadata, prr.block_scores, prr.select_blocks
+    m16 = torch.zeros(tuple(meta.shape), dtype=torch.float16)  # neither q's dtype (bfloat16) nor fp8
+    m_bf = torch.zeros(tuple(meta.shape), dtype=torch.bfloat16)
+    for bad in (m16, meta.view(torch.float8_e5m2), meta.view(torch.uint8), meta.view(torch.int8)):
+        _raises(TypeError, "meta", bs, q, bad, ln, block_size=8)
+        _raises(TypeError, "meta", bs, q.float(), bad, ln, block_size=8)
+        _raises(TypeError, "meta", sb, q, bad, 2, ln, block_size=8, out=out)
+        _raises(TypeError, "meta", sb, q, bad, 2, ln, block_size=8, scores_out=so)
+    _raises(TypeError, "meta", bs, q.half(), m_bf, ln, block_size=8)  # bfloat16 meta under float16 q
+    # the metadata of an fp8 cache is fp8: update / out in another dtype are refused
+    _raises(TypeError, "meta", up, m_bf.clone(), k, bt, ln, ln, block_size=8)
+    _raises(TypeError, "meta", up, meta.clone(), k.view(torch.uint8).to(torch.bfloat16), bt, ln, ln, block_size=8)
+    _raises(TypeError, "out", bm, k, bt, ln, block_size=8, out=m_bf.clone())
+    _raises(TypeError, "k_cache", bm, k.view(torch.float8_e5m2), bt, ln, block_size=8)
+    _raises(TypeError, "q", bs, q.to(torch.float8_e4m3fn), meta, ln, block_size=8)
+    _raises(ValueError, "meta", up, meta[:, :, :1].clone(), k, bt, ln, ln, block_size=8)
+    assert_unchanged(snaps, "rejected calls")

@@ -7,10 +7,11 @@
  * bits are written back unchanged (unkey), so the metadata holds stored values exactly.
  *
  * prr_block_scores_cpu: one unit per (row b, KV head h): the GQA group's query rows converted to float
- * once, then per block the meta rows converted and each head's sum formed in the order gvr_kernels.h
- * defines (chunks of 8 channels left to right, then the tree over chunks), which the CUDA kernel
- * follows too. Built with -std=c11 (no FP contraction) and without -ffast-math: gcc keeps that order.
- * With raw_scores a kept block's score is formed too (for raw_scores; scores takes +inf). */
+ * once, then per block the meta rows (q's dtype or fp8 e4m3fn) converted and each head's sum formed in the
+ * order gvr_kernels.h defines (chunks of 8 channels left to right, then the tree over chunks), which the CUDA
+ * kernel follows too. Built with -std=c11 (no FP contraction) and without -ffast-math: gcc keeps that order.
+ * With raw_scores a kept block's score is formed too (for raw_scores; scores takes +inf).
+ */
 #include "prr_select_cpu.h"
 
 #include "elem.h"
@@ -20,7 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline size_t esize(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : 2; }
+static inline size_t esize(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : dtype == GVR_ELEM_E4M3 ? 1 : 2; }
+
+/* totalOrder keys of fp8 e4m3fn bytes (sign-magnitude, as the wider floats) */
+static inline uint8_t key8(uint8_t b) { return (uint8_t)(b ^ ((b & 0x80u) ? 0xFFu : 0x80u)); }
+static inline uint8_t unkey8(uint8_t k) { return (uint8_t)(k ^ ((k & 0x80u) ? 0x80u : 0xFFu)); }
 
 static inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
@@ -37,6 +42,15 @@ static void fold16(const uint16_t *restrict x, uint16_t *restrict mn, uint16_t *
     for (int d = 0; d < D; d++) {
         const uint16_t b = x[d];
         const uint16_t k = (uint16_t)(b ^ (uint16_t)(((int16_t)b >> 15) | (int16_t)0x8000));
+        mn[d] = k < mn[d] ? k : mn[d];
+        mx[d] = k > mx[d] ? k : mx[d];
+    }
+}
+
+static void fold8(const uint8_t *restrict x, uint8_t *restrict mn, uint8_t *restrict mx, int D)
+{
+    for (int d = 0; d < D; d++) {
+        const uint8_t k = key8(x[d]);
         mn[d] = k < mn[d] ? k : mn[d];
         mx[d] = k > mx[d] ? k : mx[d];
     }
@@ -59,8 +73,8 @@ static int meta_unit(void *vctx, int64_t unit)
     const int D = p->D, G = p->block_size, P = p->P;
     const int64_t b = unit / p->Hkv;
     const int h = (int)(unit - b * p->Hkv);
-    const int int16 = p->dtype != GVR_ELEM_F32;
     const size_t es = esize(p->dtype);
+    const int int16 = es == 2, int8 = es == 1;
     int64_t s = 0, e = p->end ? clamp64(p->end[b], 0, c->cap) : c->cap, j0 = 0, j1 = p->Nb;
     if (p->start) {
         s = clamp64(p->start[b], 0, c->cap);
@@ -77,13 +91,17 @@ static int meta_unit(void *vctx, int64_t unit)
         return -1;
     uint16_t *mn16 = (uint16_t *)scratch, *mx16 = mn16 + D;
     uint32_t *mn32 = (uint32_t *)scratch, *mx32 = mn32 + D;
+    uint8_t *mn8 = (uint8_t *)scratch, *mx8 = mn8 + D;
     const int32_t *bt = p->block_table + b * p->bt_stride_b;
     char *mrow = (char *)p->meta + (size_t)(b * p->meta_stride_b + h * p->meta_stride_h) * es;
     for (int64_t j = j0; j < j1; j++) {
         const int64_t lo = j * G > s ? j * G : s, hi = j * G + G < e ? j * G + G : e;
         const int merge = j * G < s;
         int any = 0;
-        if (int16) {
+        if (int8) {
+            for (int d = 0; d < D; d++)
+                mn8[d] = 0xFFu, mx8[d] = 0;
+        } else if (int16) {
             for (int d = 0; d < D; d++)
                 mn16[d] = 0xFFFFu, mx16[d] = 0;
         } else {
@@ -97,7 +115,9 @@ static int meta_unit(void *vctx, int64_t unit)
             const char *row = (const char *)p->k +
                               (size_t)(page * p->k_stride_page + (t % P) * p->k_stride_tok + h * p->k_stride_head) * es;
             any = 1;
-            if (int16)
+            if (int8)
+                fold8((const uint8_t *)row, mn8, mx8, D);
+            else if (int16)
                 fold16((const uint16_t *)row, mn16, mx16, D);
             else
                 fold32((const uint32_t *)row, mn32, mx32, D);
@@ -107,7 +127,15 @@ static int meta_unit(void *vctx, int64_t unit)
             if (!any)
                 continue; /* no new token: the block keeps its content */
             /* the existing content, unless the block is empty (channel 0: min above max) */
-            if (int16) {
+            if (int8) {
+                const uint8_t *e0 = (const uint8_t *)m0, *e1 = (const uint8_t *)m1;
+                if (key8(e0[0]) <= key8(e1[0]))
+                    for (int d = 0; d < D; d++) {
+                        const uint8_t a = key8(e0[d]), z = key8(e1[d]);
+                        mn8[d] = a < mn8[d] ? a : mn8[d];
+                        mx8[d] = z > mx8[d] ? z : mx8[d];
+                    }
+            } else if (int16) {
                 const uint16_t *e0 = (const uint16_t *)m0, *e1 = (const uint16_t *)m1;
                 if (gvr_key16(e0[0]) <= gvr_key16(e1[0]))
                     for (int d = 0; d < D; d++) {
@@ -125,7 +153,13 @@ static int meta_unit(void *vctx, int64_t unit)
                     }
             }
         }
-        if (int16) {
+        if (int8) { /* empty: +NaN, -NaN (e4m3fn has no infinities) */
+            uint8_t *o0 = (uint8_t *)m0, *o1 = (uint8_t *)m1;
+            for (int d = 0; d < D; d++) {
+                o0[d] = any ? unkey8(mn8[d]) : 0x7Fu;
+                o1[d] = any ? unkey8(mx8[d]) : 0xFFu;
+            }
+        } else if (int16) {
             uint16_t *o0 = (uint16_t *)m0, *o1 = (uint16_t *)m1;
             const uint16_t pinf = p->dtype == GVR_ELEM_F16 ? 0x7C00u : 0x7F80u;
             for (int d = 0; d < D; d++) {
@@ -164,6 +198,8 @@ static inline uint32_t key0(int32_t dtype, const void *row)
         memcpy(&b, row, 4);
         return gvr_key32(b);
     }
+    if (dtype == GVR_ELEM_E4M3)
+        return key8(*(const uint8_t *)row);
     uint16_t b;
     memcpy(&b, row, 2);
     return gvr_key16(b);
@@ -204,7 +240,7 @@ static int scores_unit(void *vctx, int64_t unit)
     const int D = p->D, GQ = p->Hq / p->Hkv;
     const int64_t b = unit / p->Hkv;
     const int h = (int)(unit - b * p->Hkv);
-    const size_t es = esize(p->dtype);
+    const size_t es = esize(p->dtype), mes = esize(p->meta_dtype);
     const int64_t G = p->block_size, cap = (int64_t)p->Nb * G;
     const int64_t len = p->lengths ? clamp64(p->lengths[b], 0, cap) : cap;
     const int64_t nb = (len + G - 1) / G;
@@ -220,7 +256,7 @@ static int scores_unit(void *vctx, int64_t unit)
     for (int g = 0; g < GQ; g++)
         gvr_row_to_f32(p->dtype, (const char *)p->q + (size_t)(b * p->q_stride_b + (int64_t)(h * GQ + g) * p->q_stride_h) * es,
                  qf + (size_t)g * D, D);
-    const char *mrow = (const char *)p->meta + (size_t)(b * p->meta_stride_b + h * p->meta_stride_h) * es;
+    const char *mrow = (const char *)p->meta + (size_t)(b * p->meta_stride_b + h * p->meta_stride_h) * mes;
     for (int64_t j = 0; j < p->Nb; j++) {
         if (j >= nb) {
             out[j] = -INFINITY;
@@ -228,8 +264,8 @@ static int scores_unit(void *vctx, int64_t unit)
                 raw[j] = -INFINITY;
             continue;
         }
-        const char *m0 = mrow + (size_t)(j * p->meta_stride_j) * es, *m1 = m0 + (size_t)p->meta_stride_m * es;
-        if (key0(p->dtype, m0) > key0(p->dtype, m1)) { /* empty */
+        const char *m0 = mrow + (size_t)(j * p->meta_stride_j) * mes, *m1 = m0 + (size_t)p->meta_stride_m * mes;
+        if (key0(p->meta_dtype, m0) > key0(p->meta_dtype, m1)) { /* empty */
             out[j] = -INFINITY;
             if (raw)
                 raw[j] = -INFINITY;
@@ -240,8 +276,8 @@ static int scores_unit(void *vctx, int64_t unit)
             out[j] = INFINITY;
             continue;
         }
-        gvr_row_to_f32(p->dtype, m0, mn, D);
-        gvr_row_to_f32(p->dtype, m1, mx, D);
+        gvr_row_to_f32(p->meta_dtype, m0, mn, D);
+        gvr_row_to_f32(p->meta_dtype, m1, mx, D);
         float r = 0.0f;
         for (int g = 0; g < GQ; g++) {
             const float sg = head_score(qf + (size_t)g * D, mn, mx, D, v);

@@ -4,9 +4,10 @@
  *  - metadata: a CTA of 128 threads per (row b, KV head h, split); a split takes the ranges of R
  *    blocks (R*G ~ 256 tokens) r = split, split + S, ... of the row's blocks to write ([0, Nb) when
  *    building; [start/G, ceil(end/G)) when updating). Thread (c, tg) reads the 16-byte chunk c (8
- *    channels) of the tokens tg, tg + TG, ... of a block (4 loads in flight), keeping per packed pair
- *    of channels the smallest and largest totalOrder key (__vminu2 / __vmaxu2 on keys made by two
- *    xors: exact, independent of the order). The TG partial ranges meet in shared memory (double
+ *    channels; 16 of an fp8 cache) of the tokens tg, tg + TG, ... of a block (4 loads in flight),
+ *    keeping per packed pair (fp8: quadruple) of channels the smallest and largest totalOrder key
+ *    (__vminu2 / __vmaxu2, __vminu4 / __vmaxu4 on keys made by two xors: exact, independent of the
+ *    order). The TG partial ranges meet in shared memory (double
  *    buffered: one barrier per block, __syncthreads_or also telling whether the block had a token)
  *    and the threads of token group 0 write the block with 16-byte stores. The block containing
  *    start in an update is merged with its content (read, channel 0 included, before the barrier:
@@ -15,7 +16,8 @@
  *    block). Exact, so the split never shows in the result.
  *  - scores: a CTA of 256 threads per (row b, KV head h, tile of blocks): the GQA group's query rows
  *    converted to float into shared memory once per CTA; L = D/8 lanes per block (32 / L blocks per
- *    warp), each lane reading its 16-byte chunk of the block's min and max rows once and forming its
+ *    warp), each lane reading its 16-byte chunk (8 bytes of fp8 metadata, decoded exactly) of the
+ *    block's min and max rows once and forming its
  *    8-channel partial for every query head left to right (__fmul_rn, __fadd_rn: no FMA), the
  *    chunks summed by an xor butterfly (offsets L/2 .. 1: lane c < o adds lane c + o, the tree of
  *    gvr_kernels.h; lanes above get the same bits, addition being commutative), the heads combined
@@ -24,6 +26,7 @@
  * No allocation, no synchronization, no host reads: graph-safe; deterministic. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -63,23 +66,51 @@ __device__ __forceinline__ uint32_t unkey2(uint32_t k)
 
 __device__ __forceinline__ uint32_t key16(uint32_t h) { return (h ^ ((h & 0x8000u) ? 0xFFFFu : 0x8000u)) & 0xFFFFu; }
 
+/* the same per byte (fp8 e4m3fn: sign-magnitude bytes) */
+__device__ __forceinline__ uint32_t key4(uint32_t w)
+{
+    const uint32_t s = (w >> 7) & 0x01010101u;
+    return w ^ ((s * 0x7Fu) | 0x80808080u);
+}
+__device__ __forceinline__ uint32_t unkey4(uint32_t k)
+{
+    const uint32_t s = (~k >> 7) & 0x01010101u;
+    return k ^ ((s * 0x7Fu) | 0x80808080u);
+}
+__device__ __forceinline__ uint32_t key8(uint32_t b) { return (b ^ ((b & 0x80u) ? 0xFFu : 0x80u)) & 0xFFu; }
+
+/* packed keys of EB-byte elements (EB 2: two halves; 1: four bytes): key, unkey, min, max; a row's
+ * channel-0 element as a key */
+template <int EB>
+struct Keys {
+    static __device__ __forceinline__ uint32_t key(uint32_t w) { return EB == 2 ? key2(w) : key4(w); }
+    static __device__ __forceinline__ uint32_t unkey(uint32_t k) { return EB == 2 ? unkey2(k) : unkey4(k); }
+    static __device__ __forceinline__ uint32_t min(uint32_t a, uint32_t b) { return EB == 2 ? __vminu2(a, b) : __vminu4(a, b); }
+    static __device__ __forceinline__ uint32_t max(uint32_t a, uint32_t b) { return EB == 2 ? __vmaxu2(a, b) : __vmaxu4(a, b); }
+    static __device__ __forceinline__ uint32_t key0(const char *row)
+    {
+        return EB == 2 ? key16(*reinterpret_cast<const uint16_t *>(row)) : key8(*reinterpret_cast<const uint8_t *>(row));
+    }
+};
+
 /* ---- metadata ------------------------------------------------------------------------------------ */
 
 constexpr int META_THREADS = 128;
 constexpr int META_UNROLL = 4;
 constexpr int META_RANGE_TOKENS = 256; /* tokens per range of blocks (R = max(1, this / G)) */
 
-/* C: 16-byte chunks per row (D / 8) */
-template <int C>
+/* C: 16-byte chunks per row (D * EB / 16), EB: bytes per element (2: f16 / bf16, 1: fp8 e4m3fn) */
+template <int C, int EB>
 __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_params p, int S, int R, uint32_t pinf2)
 {
     pdl_enter();
-    constexpr int TG = META_THREADS / C;
+    using K = Keys<EB>;
+    constexpr int TG = META_THREADS / C, CH = 16 / EB; /* channels per chunk */
     __shared__ uint4 red_mn[2][TG][C], red_mx[2][TG][C];
     const int tid = (int)threadIdx.x, c = tid % C, tg = tid / C;
     const int64_t cap = (int64_t)p.max_pages * p.P;
     const int G = p.block_size, P = p.P;
-    const uint32_t ninf2 = pinf2 | 0x80008000u;
+    const uint32_t ninf2 = pinf2 | (EB == 2 ? 0x80008000u : 0x80808080u);
     const int64_t items = (int64_t)p.B * p.Hkv * S;
     int buf = 0;
     for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
@@ -98,8 +129,8 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
             j1 = j1 < p.Nb ? j1 : p.Nb;
         }
         const int32_t *bt = p.block_table + b * p.bt_stride_b;
-        const uint16_t *kb = static_cast<const uint16_t *>(p.k) + h * p.k_stride_head + c * 8;
-        uint16_t *mb = static_cast<uint16_t *>(p.meta) + b * p.meta_stride_b + h * p.meta_stride_h + c * 8;
+        const char *kb = static_cast<const char *>(p.k) + EB * (h * p.k_stride_head + c * CH);
+        char *mb = static_cast<char *>(p.meta) + EB * (b * p.meta_stride_b + h * p.meta_stride_h + c * CH);
         const int nr = (j1 - j0 + R - 1) / R;
         for (int r = split; r < nr; r += S) {
             const int jr1 = j0 + (r + 1) * R < j1 ? j0 + (r + 1) * R : j1;
@@ -107,7 +138,7 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                 const int64_t jg = (int64_t)j * G;
                 const int lo = jg > s ? (int)jg : s, hi = jg + G < e ? (int)(jg + G) : e;
                 const bool merge = jg < s;
-                uint16_t *m0 = mb + j * p.meta_stride_j, *m1 = m0 + p.meta_stride_m;
+                char *m0 = mb + EB * (j * p.meta_stride_j), *m1 = m0 + EB * p.meta_stride_m;
                 uint32_t mn[4] = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu}, mx[4] = {0u, 0u, 0u, 0u};
                 int any = 0;
                 for (int t0 = lo + tg; t0 < hi; t0 += TG * META_UNROLL) {
@@ -121,8 +152,8 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                             const int64_t page = __ldg(bt + t / P);
                             if (page >= 0 && page < p.num_pages) {
                                 ok[u] = true;
-                                v[u] = __ldg(reinterpret_cast<const uint4 *>(kb + page * p.k_stride_page +
-                                                                             (int64_t)(t % P) * p.k_stride_tok));
+                                v[u] = __ldg(reinterpret_cast<const uint4 *>(
+                                    kb + EB * (page * p.k_stride_page + (int64_t)(t % P) * p.k_stride_tok)));
                             }
                         }
                     }
@@ -133,9 +164,9 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                             const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
                             for (int i = 0; i < 4; i++) {
-                                const uint32_t k2 = key2(w[i]);
-                                mn[i] = __vminu2(mn[i], k2);
-                                mx[i] = __vmaxu2(mx[i], k2);
+                                const uint32_t k2 = K::key(w[i]);
+                                mn[i] = K::min(mn[i], k2);
+                                mx[i] = K::max(mx[i], k2);
                             }
                         }
                     }
@@ -145,8 +176,7 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                 bool had = false;
                 uint4 o0 = make_uint4(0, 0, 0, 0), o1 = o0;
                 if (merge && tg == 0) {
-                    const uint16_t c0 = (m0 - c * 8)[0], c1 = (m1 - c * 8)[0];
-                    had = key16(c0) <= key16(c1);
+                    had = K::key0(m0 - EB * c * CH) <= K::key0(m1 - EB * c * CH);
                     if (had) {
                         o0 = *reinterpret_cast<const uint4 *>(m0);
                         o1 = *reinterpret_cast<const uint4 *>(m1);
@@ -158,24 +188,24 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                 if (tg == 0) {
                     for (int g = 1; g < TG; g++) {
                         const uint4 a = red_mn[buf][g][c], z = red_mx[buf][g][c];
-                        mn[0] = __vminu2(mn[0], a.x), mn[1] = __vminu2(mn[1], a.y);
-                        mn[2] = __vminu2(mn[2], a.z), mn[3] = __vminu2(mn[3], a.w);
-                        mx[0] = __vmaxu2(mx[0], z.x), mx[1] = __vmaxu2(mx[1], z.y);
-                        mx[2] = __vmaxu2(mx[2], z.z), mx[3] = __vmaxu2(mx[3], z.w);
+                        mn[0] = K::min(mn[0], a.x), mn[1] = K::min(mn[1], a.y);
+                        mn[2] = K::min(mn[2], a.z), mn[3] = K::min(mn[3], a.w);
+                        mx[0] = K::max(mx[0], z.x), mx[1] = K::max(mx[1], z.y);
+                        mx[2] = K::max(mx[2], z.z), mx[3] = K::max(mx[3], z.w);
                     }
                     if (!(merge && !any)) { /* a merged block without new tokens keeps its content */
                         if (had) {
                             const uint32_t a[4] = {o0.x, o0.y, o0.z, o0.w}, z[4] = {o1.x, o1.y, o1.z, o1.w};
 #pragma unroll
                             for (int i = 0; i < 4; i++) {
-                                mn[i] = __vminu2(mn[i], key2(a[i]));
-                                mx[i] = __vmaxu2(mx[i], key2(z[i]));
+                                mn[i] = K::min(mn[i], K::key(a[i]));
+                                mx[i] = K::max(mx[i], K::key(z[i]));
                             }
                         }
                         uint4 w0, w1;
                         if (any) {
-                            w0 = make_uint4(unkey2(mn[0]), unkey2(mn[1]), unkey2(mn[2]), unkey2(mn[3]));
-                            w1 = make_uint4(unkey2(mx[0]), unkey2(mx[1]), unkey2(mx[2]), unkey2(mx[3]));
+                            w0 = make_uint4(K::unkey(mn[0]), K::unkey(mn[1]), K::unkey(mn[2]), K::unkey(mn[3]));
+                            w1 = make_uint4(K::unkey(mx[0]), K::unkey(mx[1]), K::unkey(mx[2]), K::unkey(mx[3]));
                         } else {
                             w0 = make_uint4(pinf2, pinf2, pinf2, pinf2);
                             w1 = make_uint4(ninf2, ninf2, ninf2, ninf2);
@@ -190,7 +220,7 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
     }
 }
 
-template <int C>
+template <int C, int EB>
 cudaError_t meta_launch(const gvr_block_meta_params *p, int sms, cudaStream_t stream)
 {
     const int G = p->block_size;
@@ -203,9 +233,10 @@ cudaError_t meta_launch(const gvr_block_meta_params *p, int sms, cudaStream_t st
     int64_t S = (want + rows - 1) / rows;
     S = S < 1 ? 1 : S > ranges ? ranges : S;
     const int64_t ctas = rows * S;
-    const uint32_t pinf2 = p->dtype == GVR_ELEM_F16 ? 0x7C007C00u : 0x7F807F80u;
+    /* an empty block's min (+inf; fp8, without infinities: +NaN 0x7F), its max the same with the sign */
+    const uint32_t pinf2 = p->dtype == GVR_ELEM_F16 ? 0x7C007C00u : p->dtype == GVR_ELEM_BF16 ? 0x7F807F80u : 0x7F7F7F7Fu;
     LaunchConfig lc(ctas > MAX_GRID ? MAX_GRID : (unsigned)ctas, META_THREADS, 0, 0, stream);
-    return cudaLaunchKernelEx(&lc.cfg, meta_kernel<C>, *p, (int)S, R, pinf2);
+    return cudaLaunchKernelEx(&lc.cfg, meta_kernel<C, EB>, *p, (int)S, R, pinf2);
 }
 
 /* ---- scores -------------------------------------------------------------------------------------- */
@@ -240,10 +271,41 @@ __device__ __forceinline__ float to_float(uint16_t h)
         return __uint_as_float((uint32_t)h << 16);
 }
 
-/* L = D / 8 lanes per block */
-template <int DT, int L>
+/* a lane's 8 meta channels: 16 bytes (f16 / bf16) or 8 (fp8 e4m3fn), decoded exactly */
+template <int MDT>
+struct MetaPiece {
+    static constexpr int EB = 2;
+    using Raw = uint4;
+    static __device__ __forceinline__ Raw load(const char *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
+    static __device__ __forceinline__ Raw zero() { return make_uint4(0, 0, 0, 0); }
+    static __device__ __forceinline__ uint32_t key0(const Raw r) { return key16(r.x & 0xFFFFu); }
+    static __device__ __forceinline__ void unpack(const Raw r, float (&f)[8]) { unpack8<MDT>(r, f); }
+};
+template <>
+struct MetaPiece<GVR_ELEM_E4M3> {
+    static constexpr int EB = 1;
+    using Raw = uint2;
+    static __device__ __forceinline__ Raw load(const char *p) { return __ldg(reinterpret_cast<const uint2 *>(p)); }
+    static __device__ __forceinline__ Raw zero() { return make_uint2(0, 0); }
+    static __device__ __forceinline__ uint32_t key0(const Raw r) { return key8(r.x & 0xFFu); }
+    static __device__ __forceinline__ void unpack(const Raw r, float (&f)[8])
+    {
+        const uint32_t w[2] = {r.x, r.y};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i / 2] >> (16 * (i % 2))), __NV_E4M3);
+            f[2 * i] = __half2float(__ushort_as_half(hr.x));
+            f[2 * i + 1] = __half2float(__ushort_as_half(hr.y));
+        }
+    }
+};
+
+/* L = D / 8 lanes per block; DT: q's element type, MDT: meta's (DT or fp8 e4m3fn) */
+template <int DT, int MDT, int L>
 __global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_params p, int tiles)
 {
+    using MP = MetaPiece<MDT>;
+    constexpr int MEB = MP::EB;
     pdl_enter();
     extern __shared__ float4 qsm4[];
     float *qs = reinterpret_cast<float *>(qsm4);
@@ -269,24 +331,24 @@ __global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_par
             qs[i] = to_float<DT>(q[g * p.q_stride_h + d]);
         }
         __syncthreads();
-        const uint16_t *mrow = static_cast<const uint16_t *>(p.meta) + b * p.meta_stride_b + h * p.meta_stride_h;
+        const char *mrow = static_cast<const char *>(p.meta) + MEB * (b * p.meta_stride_b + h * p.meta_stride_h);
         float *out = p.scores + b * p.scores_stride_b + h * p.scores_stride_h;
         float *raw = p.raw_scores ? p.raw_scores + b * p.raw_stride_b + h * p.raw_stride_h : nullptr;
 #pragma unroll 1
         for (int pass = 0; pass < SC_PASSES; pass++) {
             const int64_t j = (int64_t)tile * TILE + pass * BPC + slot;
             const bool valid = j < nb; /* nb <= Nb */
-            uint4 wmn = make_uint4(0, 0, 0, 0), wmx = wmn;
+            typename MP::Raw wmn = MP::zero(), wmx = wmn;
             if (valid) {
-                const uint16_t *m0 = mrow + j * p.meta_stride_j + c * 8;
-                wmn = __ldg(reinterpret_cast<const uint4 *>(m0));
-                wmx = __ldg(reinterpret_cast<const uint4 *>(m0 + p.meta_stride_m));
+                const char *m0 = mrow + MEB * (j * p.meta_stride_j + c * 8);
+                wmn = MP::load(m0);
+                wmx = MP::load(m0 + MEB * p.meta_stride_m);
             }
-            int empty = c == 0 && key16(wmn.x & 0xFFFFu) > key16(wmx.x & 0xFFFFu);
+            int empty = c == 0 && MP::key0(wmn) > MP::key0(wmx);
             empty = __shfl_sync(0xFFFFFFFFu, empty, lane & ~(L - 1));
             float mn[8], mx[8];
-            unpack8<DT>(wmn, mn);
-            unpack8<DT>(wmx, mx);
+            MP::unpack(wmn, mn);
+            MP::unpack(wmx, mx);
             float r = 0.f;
             for (int g = 0; g < GQ; g++) {
                 const float4 qa = reinterpret_cast<const float4 *>(qs + g * D + c * 8)[0];
@@ -320,7 +382,7 @@ __global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_par
     }
 }
 
-template <int DT, int L>
+template <int DT, int MDT, int L>
 cudaError_t scores_launch(const gvr_block_scores_params *p, cudaStream_t stream)
 {
     constexpr int BPC = (SC_THREADS / 32) * (32 / L), TILE = BPC * SC_PASSES;
@@ -328,7 +390,7 @@ cudaError_t scores_launch(const gvr_block_scores_params *p, cudaStream_t stream)
     const int64_t ctas = (int64_t)p->B * p->Hkv * tiles;
     const size_t smem = (size_t)(p->Hq / p->Hkv) * 8 * L * sizeof(float);
     LaunchConfig lc(ctas > MAX_GRID ? MAX_GRID : (unsigned)ctas, SC_THREADS, 0, smem, stream);
-    return cudaLaunchKernelEx(&lc.cfg, scores_kernel<DT, L>, *p, tiles);
+    return cudaLaunchKernelEx(&lc.cfg, scores_kernel<DT, MDT, L>, *p, tiles);
 }
 
 } // namespace
@@ -340,8 +402,8 @@ GVR_API int gvr_prr_block_metadata(const gvr_block_meta_params *p, void *stream)
 {
     if (p->B <= 0 || p->Hkv <= 0 || p->Nb <= 0)
         return 0;
-    if ((p->dtype != GVR_ELEM_F16 && p->dtype != GVR_ELEM_BF16) || (p->D != 64 && p->D != 128 && p->D != 256) ||
-        p->block_size <= 0 || p->P <= 0)
+    if ((p->dtype != GVR_ELEM_F16 && p->dtype != GVR_ELEM_BF16 && p->dtype != GVR_ELEM_E4M3) ||
+        (p->D != 64 && p->D != 128 && p->D != 256) || p->block_size <= 0 || p->P <= 0)
         return gvr::set_message(1, "gvr_prr_block_metadata: bad dtype, D, block_size or P");
     int dev = 0, sms = 0;
     cudaError_t e = gvr::current_device(&dev);
@@ -350,7 +412,10 @@ GVR_API int gvr_prr_block_metadata(const gvr_block_meta_params *p, void *stream)
     if (e != cudaSuccess)
         return gvr::set_error("gvr_prr_block_metadata: device query", e);
     const cudaStream_t s = (cudaStream_t)stream;
-    e = p->D == 64 ? meta_launch<8>(p, sms, s) : p->D == 128 ? meta_launch<16>(p, sms, s) : meta_launch<32>(p, sms, s);
+    if (p->dtype == GVR_ELEM_E4M3)
+        e = p->D == 64 ? meta_launch<4, 1>(p, sms, s) : p->D == 128 ? meta_launch<8, 1>(p, sms, s) : meta_launch<16, 1>(p, sms, s);
+    else
+        e = p->D == 64 ? meta_launch<8, 2>(p, sms, s) : p->D == 128 ? meta_launch<16, 2>(p, sms, s) : meta_launch<32, 2>(p, sms, s);
     return e == cudaSuccess ? 0 : gvr::set_error("gvr_prr_block_metadata: kernel launch", e);
 }
 
@@ -358,16 +423,26 @@ GVR_API int gvr_prr_block_scores(const gvr_block_scores_params *p, void *stream)
 {
     if (p->B <= 0 || p->Hkv <= 0 || p->Nb <= 0)
         return 0;
-    if ((p->dtype != GVR_ELEM_F16 && p->dtype != GVR_ELEM_BF16) || (p->D != 64 && p->D != 128 && p->D != 256) ||
-        p->Hq <= 0 || p->Hq % p->Hkv || p->Hq / p->Hkv > GVR_PRR_SCORES_MAX_GQA || p->block_size <= 0)
-        return gvr::set_message(1, "gvr_prr_block_scores: bad dtype, D, Hq / Hkv or block_size");
+    if ((p->dtype != GVR_ELEM_F16 && p->dtype != GVR_ELEM_BF16) || (p->meta_dtype != p->dtype && p->meta_dtype != GVR_ELEM_E4M3) ||
+        (p->D != 64 && p->D != 128 && p->D != 256) || p->Hq <= 0 || p->Hq % p->Hkv ||
+        p->Hq / p->Hkv > GVR_PRR_SCORES_MAX_GQA || p->block_size <= 0)
+        return gvr::set_message(1, "gvr_prr_block_scores: bad dtype, meta dtype, D, Hq / Hkv or block_size");
     const cudaStream_t s = (cudaStream_t)stream;
     cudaError_t e;
+    const bool f8 = p->meta_dtype == GVR_ELEM_E4M3;
     if (p->dtype == GVR_ELEM_F16)
-        e = p->D == 64 ? scores_launch<GVR_ELEM_F16, 8>(p, s)
-            : p->D == 128 ? scores_launch<GVR_ELEM_F16, 16>(p, s) : scores_launch<GVR_ELEM_F16, 32>(p, s);
+        e = f8 ? (p->D == 64    ? scores_launch<GVR_ELEM_F16, GVR_ELEM_E4M3, 8>(p, s)
+                  : p->D == 128 ? scores_launch<GVR_ELEM_F16, GVR_ELEM_E4M3, 16>(p, s)
+                                : scores_launch<GVR_ELEM_F16, GVR_ELEM_E4M3, 32>(p, s))
+               : (p->D == 64    ? scores_launch<GVR_ELEM_F16, GVR_ELEM_F16, 8>(p, s)
+                  : p->D == 128 ? scores_launch<GVR_ELEM_F16, GVR_ELEM_F16, 16>(p, s)
+                                : scores_launch<GVR_ELEM_F16, GVR_ELEM_F16, 32>(p, s));
     else
-        e = p->D == 64 ? scores_launch<GVR_ELEM_BF16, 8>(p, s)
-            : p->D == 128 ? scores_launch<GVR_ELEM_BF16, 16>(p, s) : scores_launch<GVR_ELEM_BF16, 32>(p, s);
+        e = f8 ? (p->D == 64    ? scores_launch<GVR_ELEM_BF16, GVR_ELEM_E4M3, 8>(p, s)
+                  : p->D == 128 ? scores_launch<GVR_ELEM_BF16, GVR_ELEM_E4M3, 16>(p, s)
+                                : scores_launch<GVR_ELEM_BF16, GVR_ELEM_E4M3, 32>(p, s))
+               : (p->D == 64    ? scores_launch<GVR_ELEM_BF16, GVR_ELEM_BF16, 8>(p, s)
+                  : p->D == 128 ? scores_launch<GVR_ELEM_BF16, GVR_ELEM_BF16, 16>(p, s)
+                                : scores_launch<GVR_ELEM_BF16, GVR_ELEM_BF16, 32>(p, s));
     return e == cudaSuccess ? 0 : gvr::set_error("gvr_prr_block_scores: kernel launch", e);
 }
