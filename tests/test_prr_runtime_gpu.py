@@ -254,3 +254,63 @@ def test_device_mismatch_is_named(cuda):
     cpu = Side(c, "cpu")
     with pytest.raises(ValueError, match="'q'"):
         cpu.step(sa_g, c.next())
+
+
+@pytest.mark.parametrize("mode", ["exact", "superset"])
+def test_fp8_caches_end_to_end_and_graph(cuda, mode):
+    """The runtime over fp8 (e4m3fn) caches: Quest metadata and selection over the fp8 K (fp8 metadata),
+    attention and repair with k_scale / v_scale. CUDA equals the CPU runtime (selections, predictions,
+    counts; states within tolerance of the float64 reference over the dequantized caches), and a CUDA
+    graph of a step replays to the eager steps bit for bit."""
+    c = Case(seed=31)
+    ks, vs = 3.0 / 448, 2.0 / 448
+    k8 = (c.K.float() / ks).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (c.V.float() / vs).clamp_(-448, 448).to(torch.float8_e4m3fn)
+    kd, vd = k8.float() * ks, v8.float() * vs  # what the attention sees
+
+    class Side8(Side):
+        def __init__(self, device):
+            self.dev = device
+            self.K, self.V, self.bt = k8.to(device), v8.to(device), c.bt.to(device)
+            self.lengths = c.lengths.clone().to(device)
+            self.meta = gvr.prr.block_metadata(self.K, self.bt, self.lengths, block_size=G)
+            assert self.meta.dtype == torch.float8_e4m3fn
+            self.select = R.quest_select(self.meta, c.k, self.lengths, block_size=G, sorted=True)
+
+        def step(self, sa, q):
+            return sa.step(q.to(self.dev), self.K, self.V, self.bt, self.lengths, self.select, k_scale=ks, v_scale=vs)
+
+    cpu, gpu, gside = Side8("cpu"), Side8("cuda"), Side8("cuda")
+    sa_c, sa_g = c.runtime("cpu", mode=mode), c.runtime("cuda", mode=mode)
+    graphed = c.runtime("cuda", mode=mode)
+    q0 = c.next()
+    q_static = q0.cuda()
+    cpu.step(sa_c, q0)
+    gpu.step(sa_g, q0)
+    gside.step(graphed, q_static)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_static, lse_static = gside.step(graphed, q_static)
+    for t in range(1, 5):
+        for s in (cpu, gpu, gside):
+            s.grow()
+        q = c.next()
+        pred = sa_c.prediction(c.B).copy()
+        assert np.array_equal(sets(pred), sets(sa_g.prediction(c.B))), t
+        oc, lc = cpu.step(sa_c, q)
+        og, lg = gpu.step(sa_g, q)
+        q_static.copy_(q.cuda())
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out_static), bits(og)) and torch.equal(bits(lse_static), bits(lg)), t
+        sel = cpu.select.selected[: c.B].numpy().copy()
+        assert np.array_equal(sets(sel), sets(gpu.select.selected[: c.B])), t
+        assert sa_g.hit_counts.tolist() == list(sa_c.hit_counts), t
+        idx = sel if mode == "exact" else np.concatenate([pred, missed_ref(sel, pred)], axis=2)
+        args = (q, kd, vd, idx, cpu.lengths, c.bt, G)
+        ro, rl = sparse_attention_ref(*args)
+        no, nl = sparse_attention_naive(*args, dtype="bfloat16")
+        assert_close(sa_g.state[0][: c.B].cpu().numpy(), ro, no, "bfloat16", what=f"step {t} cuda state out")
+        assert_close(lg.cpu().numpy(), rl, nl, "bfloat16", what=f"step {t} cuda lse")
+        assert_close(sa_c.state[0][: c.B], ro, no, "bfloat16", what=f"step {t} cpu state out")
