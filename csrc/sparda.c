@@ -20,11 +20,12 @@
 enum { CK, CBT, CEND, CST, COUT, CK_NARGS };
 
 static const gvr_arg_spec ckeys_args[CK_NARGS] = {
-    [CK] = {"k_cache", FLOATS, "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
+    [CK] = {"k_cache", FLOATS | GVR_DT(GVR_DTYPE_F8E4M3), "num_pages,P,Hkv,D", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [CBT] = {"block_table", I32, "B,max_pages", ON_CALL, GVR_UNIT_LAST, NULL, NULL},
     [CEND] = {"end", I32, "B", ON_CALL, GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
     [CST] = {"start", I32, "B", ON_CALL, GVR_OPTIONAL | GVR_CONTIGUOUS_ON_DEVICE, NULL, NULL},
-    [COUT] = {"ktilde", FLOATS, "B,Hkv,Nc,D", ON_CALL, GVR_OUTPUT | GVR_UNIT_LAST, "k_cache", NULL},
+    /* k_cache's dtype; an fp8 cache's: float16, bfloat16 or float32 (checked in gvr_py_sparda_compressed_keys) */
+    [COUT] = {"ktilde", FLOATS, "B,Hkv,Nc,D", ON_CALL, GVR_OUTPUT | GVR_UNIT_LAST, NULL, NULL},
 };
 static const gvr_spec ckeys_spec = {"sparda.compressed_keys", CK_NARGS, ckeys_args};
 
@@ -104,9 +105,14 @@ PyObject *gvr_py_sparda_compressed_keys(PyObject *self, PyObject *args, PyObject
                      (long long)want, (long long)Nc);
         goto fail;
     }
+    if (o->dtype != k->dtype && k->dtype != GVR_DTYPE_F8E4M3) {
+        PyErr_Format(PyExc_TypeError, "'ktilde' must be %s like 'k_cache', got %s", k->dtype_str, o->dtype_str);
+        goto fail;
+    }
     gvr_sparda_ckeys_params p;
     memset(&p, 0, sizeof p);
-    p.dtype = gvr_elem_of(k->dtype);
+    p.dtype = gvr_elem_of(o->dtype);
+    p.k_dtype = gvr_elem_of(k->dtype);
     p.B = (int32_t)B;
     p.Hkv = (int32_t)Hkv;
     p.D = (int32_t)D;
@@ -130,8 +136,13 @@ PyObject *gvr_py_sparda_compressed_keys(PyObject *self, PyObject *args, PyObject
     p.out_stride_j = o->strides[2];
     if (in.device == GVR_DEV_CUDA) {
         if (k->dtype == GVR_DTYPE_F32) {
-            PyErr_SetString(PyExc_ValueError, "'k_cache' on CUDA must be float16 or bfloat16 (float32 is served on "
-                            "the CPU), got float32");
+            PyErr_SetString(PyExc_ValueError, "'k_cache' on CUDA must be float16, bfloat16 or float8_e4m3fn (float32 "
+                            "is served on the CPU), got float32");
+            goto fail;
+        }
+        if (o->dtype == GVR_DTYPE_F32) {
+            PyErr_SetString(PyExc_ValueError, "'ktilde' on CUDA must be float16 or bfloat16 (float32 is served on the "
+                            "CPU), got float32");
             goto fail;
         }
         if (gvr_run_on_device(&in, cuda_ckeys, &p, NULL, 0, stream, update ? "gvr_sparda_compressed_keys (update)"

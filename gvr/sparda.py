@@ -211,8 +211,8 @@ def _run_ckeys(k_cache, block_table, end, start, out, kernel, stride, stream):
     kernel = _check_int("kernel", kernel, 1)
     stride = _check_int("stride", stride, 1)
     fw = framework(k_cache)
-    if out is None:
-        out = _new(k_cache, fw, _ckeys_shape(k_cache, block_table, kernel, stride), None)
+    if out is None:  # in k_cache's dtype; an fp8 cache's: bfloat16
+        out = _new(k_cache, fw, _ckeys_shape(k_cache, block_table, kernel, stride), _ckeys_dtype(k_cache))
     # gvr._C's spec order (k_cache, block_table, end, start, ktilde): nosync's bits follow it
     (k, bt, e, s, o), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, end, start, out), stream)
     _C.sparda_compressed_keys(k, bt, e, o, kernel, stride, s, stream, nosync)
@@ -223,8 +223,18 @@ def _ckeys_impl(k_cache, block_table, lengths, kernel, stride):
     return _run_ckeys(k_cache, block_table, lengths, None, None, kernel, stride, None)
 
 
+def _ckeys_dtype(k_cache):
+    """ktilde's dtype name for _new: None (k_cache's); an fp8 cache's: bfloat16 (torch, CuPy) or float32
+    (NumPy, which has no bfloat16 of its own)"""
+    if "float8" not in str(getattr(k_cache, "dtype", "")):
+        return None
+    return "float32" if type(k_cache).__module__.startswith("numpy") else "bfloat16"
+
+
 def _ckeys_fake(k_cache, block_table, lengths, kernel, stride):
-    return k_cache.new_empty(_ckeys_shape(k_cache, block_table, kernel, stride))
+    dt = _ckeys_dtype(k_cache)
+    shape = _ckeys_shape(k_cache, block_table, kernel, stride)
+    return k_cache.new_empty(shape) if dt is None else k_cache.new_empty(shape, dtype=getattr(sys.modules["torch"], dt))
 
 
 def _ckeys_update_impl(ktilde, k_cache, block_table, start, end, kernel, stride):
@@ -244,7 +254,9 @@ _ckeys_update_op = define_op("sparda_update_compressed_keys", "(Tensor(a!) ktild
 
 def compressed_keys(k_cache, block_table, lengths=None, *, kernel=32, stride=16, out=None, stream=None):
     """Mean-pooled keys of a paged K cache (InfLLM-V2 / SparDA, paper 004 eq. 5) -> ``ktilde [B, Hkv, Nc,
-    D]`` in k_cache's dtype, Nc = the windows of ``kernel`` tokens every ``stride`` in max_pages * P tokens.
+    D]`` in k_cache's dtype (an fp8 e4m3fn cache's: bfloat16, or ``out``'s float16 / float32; the fp8 values
+    decoded exactly, unscaled: a positive per-tensor k_scale scales every Forecast score alike), Nc = the
+    windows of ``kernel`` tokens every ``stride`` in max_pages * P tokens.
 
     Window j of row b = tokens ``[j*stride, j*stride + kernel)`` (token t at page ``block_table[b, t // P]``,
     slot ``t % P``; a page < 0 or >= num_pages counts as zeros): its float32 sum in token order divided by

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GVR_ABI_VERSION 16
+#define GVR_ABI_VERSION 17
 
 /* ---- runtime ------------------------------------------------------------------------------- */
 
@@ -472,7 +472,8 @@ int gvr_prr_ema_calibrate(const gvr_ema_calibrate_params *p, void *workspace, si
 /* Mean-pooled keys of a paged K cache (InfLLM-V2 / SparDA, paper 004 eq. 5): window j of row b is the
  * tokens [j*stride, j*stride + kernel) (token t on page block_table[b, t / P], slot t % P);
  *   out[b, h, j, :] = (sum over the window's tokens, in token order, of K[page, slot, h, :] in float32)
- *                     / kernel, rounded to the cache's dtype,
+ *                     / kernel, rounded to out's dtype (the cache's; an fp8 cache's: float16, bfloat16
+ *                     or float32, the fp8 values decoded exactly),
  * a token whose page is < 0 or >= num_pages counting as zeros. A window is complete when j*stride +
  * kernel <= len_b. Build (start == NULL): every complete window (len_b = end[b], or max_pages * P when end
  * is NULL) is written, every other window of the row zeroed. Update (start != NULL): the windows whose
@@ -480,7 +481,8 @@ int gvr_prr_ema_calibrate(const gvr_ema_calibrate_params *p, void *workspace, si
  * nothing else. start/end on the host are checked by the intake; on the device they are clamped to
  * [0, max_pages * P]. */
 typedef struct {
-    int32_t dtype; /* GVR_ELEM_* of k and out */
+    int32_t dtype;   /* GVR_ELEM_* of out (and of k unless k_dtype says E4M3) */
+    int32_t k_dtype; /* k: dtype, or GVR_ELEM_E4M3 (then dtype F16, BF16 or F32) */
     int32_t B, Hkv, D;
     const void *k; /* [num_pages, P, Hkv, D], unit stride along D */
     int64_t k_stride_page, k_stride_tok, k_stride_head;

@@ -12,7 +12,7 @@
 
 static inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
-static inline size_t esize(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : 2; }
+static inline size_t esize(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : dtype == GVR_ELEM_E4M3 ? 1 : 2; }
 
 static inline float load_elem(const char *p, int32_t dtype)
 {
@@ -21,6 +21,8 @@ static inline float load_elem(const char *p, int32_t dtype)
         memcpy(&f, p, 4);
         return f;
     }
+    if (dtype == GVR_ELEM_E4M3)
+        return gvr_e4m3_to_f32(*(const uint8_t *)p);
     uint16_t h;
     memcpy(&h, p, 2);
     return dtype == GVR_ELEM_F16 ? gvr_f16_to_f32(h) : gvr_bf16_to_f32(h);
@@ -57,7 +59,7 @@ static int ckeys_unit(void *vctx, int64_t unit)
     const int D = p->D;
     const int64_t b = unit / p->Hkv;
     const int h = (int)(unit - b * p->Hkv);
-    const size_t es = esize(p->dtype);
+    const size_t es = esize(p->dtype), kes = esize(p->k_dtype); /* out's, k's */
     float *acc = (float *)malloc((size_t)(D ? D : 1) * sizeof(float));
     if (!acc)
         return -1;
@@ -77,9 +79,9 @@ static int ckeys_unit(void *vctx, int64_t unit)
             if (pg < 0 || pg >= p->num_pages)
                 continue;
             const char *x = (const char *)p->k +
-                            (size_t)(pg * p->k_stride_page + (t % p->P) * p->k_stride_tok + h * p->k_stride_head) * es;
+                            (size_t)(pg * p->k_stride_page + (t % p->P) * p->k_stride_tok + h * p->k_stride_head) * kes;
             for (int d = 0; d < D; d++)
-                acc[d] += load_elem(x + (size_t)d * es, p->dtype);
+                acc[d] += load_elem(x + (size_t)d * kes, p->k_dtype);
         }
         char *o = orow + (size_t)(j * p->out_stride_j) * es;
         for (int d = 0; d < D; d++)

@@ -4,11 +4,12 @@
  * A CTA of 128 threads per (row b, KV head h, chunk of WPC windows); warp w takes the chunk's windows
  * w, w + 4, ...; lane l the channels l, l + 32, ... . Per window and channel the tokens are summed in
  * token order in float32 (__fadd_rn: no contraction), divided by the kernel size (__fdiv_rn) and
- * rounded to the cache's dtype (RN) -- the arithmetic of csrc/cpu/sparda_cpu.c in the same order, so
+ * rounded to the output's dtype (RN; an fp8 cache's values decoded exactly) -- the arithmetic of csrc/cpu/sparda_cpu.c in the same order, so
  * CUDA and CPU agree bit for bit. Device start/end are clamped to [0, max_pages * P]. No allocation,
  * no synchronization, no host reads: graph-safe; deterministic. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -28,12 +29,14 @@ constexpr int WPC = 16; /* windows per CTA */
 constexpr unsigned MAX_GRID = 1u << 30;
 
 template <int ELEM>
-__device__ __forceinline__ float load(const uint16_t *p)
+__device__ __forceinline__ float load(const char *p)
 {
     if constexpr (ELEM == GVR_ELEM_F16)
-        return __half2float(__ushort_as_half(*p));
-    else
-        return __bfloat162float(__ushort_as_bfloat16(*p));
+        return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t *>(p)));
+    else if constexpr (ELEM == GVR_ELEM_BF16)
+        return __bfloat162float(__ushort_as_bfloat16(*reinterpret_cast<const uint16_t *>(p)));
+    else /* fp8 e4m3fn: exact through half */
+        return __half2float(__half(__nv_cvt_fp8_to_halfraw(*reinterpret_cast<const __nv_fp8_storage_t *>(p), __NV_E4M3)));
 }
 
 template <int ELEM>
@@ -47,9 +50,11 @@ __device__ __forceinline__ uint16_t store(float f)
 
 __device__ __forceinline__ long long clampll(long long x, long long lo, long long hi) { return x < lo ? lo : x > hi ? hi : x; }
 
-template <int ELEM>
+/* ELEM: out's element type (f16 / bf16), KE: k's (ELEM or fp8 e4m3fn) */
+template <int ELEM, int KE>
 __global__ void __launch_bounds__(THREADS) ckeys_kernel(const gvr_sparda_ckeys_params p, int chunks)
 {
+    constexpr int KES = KE == GVR_ELEM_E4M3 ? 1 : 2; /* bytes per k element */
     pdl_enter();
     const long long cta = blockIdx.x;
     const int c = (int)(cta % chunks);
@@ -67,7 +72,7 @@ __global__ void __launch_bounds__(THREADS) ckeys_kernel(const gvr_sparda_ckeys_p
     }
     const long long j1 = complete < p.Nc ? complete : p.Nc;
     const int32_t *bt = p.block_table + b * p.bt_stride_b;
-    const uint16_t *kb = (const uint16_t *)p.k + (long long)h * p.k_stride_head;
+    const char *kb = (const char *)p.k + KES * ((long long)h * p.k_stride_head);
     uint16_t *orow = (uint16_t *)p.out + b * p.out_stride_b + (long long)h * p.out_stride_h;
     for (int i = w; i < WPC; i += THREADS / 32) {
         const long long j = (long long)c * WPC + i;
@@ -88,7 +93,7 @@ __global__ void __launch_bounds__(THREADS) ckeys_kernel(const gvr_sparda_ckeys_p
                 if (pg < 0 || pg >= p.num_pages)
                     continue;
                 if (d < p.D)
-                    acc = __fadd_rn(acc, load<ELEM>(kb + pg * p.k_stride_page + (t % p.P) * p.k_stride_tok + d));
+                    acc = __fadd_rn(acc, load<KE>(kb + KES * (pg * p.k_stride_page + (t % p.P) * p.k_stride_tok + d)));
             }
             if (d < p.D)
                 o[d] = store<ELEM>(__fdiv_rn(acc, (float)p.kernel));
@@ -104,14 +109,20 @@ GVR_API int gvr_sparda_compressed_keys(const gvr_sparda_ckeys_params *p, void *s
     using namespace gvr::sparda;
     if (p->B <= 0 || p->Hkv <= 0 || p->D <= 0 || p->Nc <= 0)
         return 0;
-    if (p->P <= 0 || p->kernel <= 0 || p->stride <= 0 || (p->dtype != GVR_ELEM_F16 && p->dtype != GVR_ELEM_BF16))
+    if (p->P <= 0 || p->kernel <= 0 || p->stride <= 0 || (p->dtype != GVR_ELEM_F16 && p->dtype != GVR_ELEM_BF16) ||
+        (p->k_dtype != p->dtype && p->k_dtype != GVR_ELEM_E4M3))
         return gvr::set_message(1, "gvr_sparda_compressed_keys: bad P, kernel, stride or dtype");
     const int chunks = (p->Nc + WPC - 1) / WPC;
     const long long grid = (long long)p->B * p->Hkv * chunks;
     if (grid > MAX_GRID)
         return gvr::set_message(1, "gvr_sparda_compressed_keys: too many windows for one launch (%lld CTAs)", grid);
     gvr::LaunchConfig lc((unsigned)grid, THREADS, 0, 0, (cudaStream_t)stream);
-    const cudaError_t e = p->dtype == GVR_ELEM_F16 ? cudaLaunchKernelEx(&lc.cfg, ckeys_kernel<GVR_ELEM_F16>, *p, chunks)
-                                                   : cudaLaunchKernelEx(&lc.cfg, ckeys_kernel<GVR_ELEM_BF16>, *p, chunks);
+    const bool f8 = p->k_dtype == GVR_ELEM_E4M3;
+    const cudaError_t e =
+        p->dtype == GVR_ELEM_F16
+            ? (f8 ? cudaLaunchKernelEx(&lc.cfg, ckeys_kernel<GVR_ELEM_F16, GVR_ELEM_E4M3>, *p, chunks)
+                  : cudaLaunchKernelEx(&lc.cfg, ckeys_kernel<GVR_ELEM_F16, GVR_ELEM_F16>, *p, chunks))
+            : (f8 ? cudaLaunchKernelEx(&lc.cfg, ckeys_kernel<GVR_ELEM_BF16, GVR_ELEM_E4M3>, *p, chunks)
+                  : cudaLaunchKernelEx(&lc.cfg, ckeys_kernel<GVR_ELEM_BF16, GVR_ELEM_BF16>, *p, chunks));
     return e == cudaSuccess ? 0 : gvr::set_error("gvr_sparda_compressed_keys: kernel launch", e);
 }
