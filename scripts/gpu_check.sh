@@ -25,6 +25,7 @@
 #   attnsan  compute-sanitizer memcheck + racecheck on the attention cases
 #   fp8      fp8 (e4m3fn) caches: their GPU tests (tests/test_attention_fp8_gpu.py), all failures listed
 #   fp8bench bench_attention.py --quick (with its fp8 section) -> $OUT/results_attention_quick.json
+#   fp8all   every fp8 GPU test: attention, PRR selection and runtime, SparDA prefetch and compressed keys
 #   attnab   A/B of attention kernels: scripts/attn_ab.py for the installed library and each carried build/ab_NAME.so.xz
 #   attnprofile  scripts/profile_attention_phases.py with -DGVR_PROFILE libraries carried as build/prof_NAME.so.xz
 #   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases
@@ -116,6 +117,14 @@ fp8() {  # fp8 (e4m3fn) caches with k_scale / v_scale: their GPU tests, all fail
   say "GPU tests (fp8 caches)"
   (cd tests && timeout 300 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 -o faulthandler_timeout=60 \
     test_attention_fp8_gpu.py) 2>&1 | tee "$OUT/pytest_fp8_gpu.log" | grep -E "passed|failed|FAILED|Error" | tail -40
+}
+
+fp8all() {  # every fp8 (e4m3fn) GPU test across the operators
+  say "GPU tests (fp8 everywhere)"
+  (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs --maxfail=40 -o faulthandler_timeout=60 \
+    test_attention_fp8_gpu.py test_prr_select_gpu.py test_prr_runtime_gpu.py test_sparda_prefetch.py \
+    test_sparda_ckeys.py -k "fp8 or float8 or e4m3") 2>&1 | tee "$OUT/pytest_fp8all_gpu.log" \
+    | grep -E "passed|failed|FAILED|Error" | tail -40
 }
 
 fp8bench() {  # the quick attention benchmark (B=1 table, B=64, fp8 section, repair, merge)
@@ -390,6 +399,7 @@ for mode in "${@:-check}"; do
     attnsan) sanitize attention ;;
     fp8) fp8 ;;
     fp8bench) fp8bench ;;
+    fp8all) fp8all ;;
     topkab) topkab ;;
     attncpu) attncpu ;;
     calib) calib ;;
