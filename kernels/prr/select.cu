@@ -6,8 +6,8 @@
  *    building; [start/G, ceil(end/G)) when updating). Thread (c, tg) reads the 16-byte chunk c (8
  *    channels; 16 of an fp8 cache) of the tokens tg, tg + TG, ... of a block (4 loads in flight),
  *    keeping per packed pair (fp8: quadruple) of channels the smallest and largest totalOrder key
- *    (__vminu2 / __vmaxu2, __vminu4 / __vmaxu4 on keys made by two xors: exact, independent of the
- *    order). The TG partial ranges meet in shared memory (double
+ *    (__vminu2 / __vmaxu2 on keys made by two xors -- fp8's byte keys spread over 16-bit lanes: exact,
+ *    independent of the order). The TG partial ranges meet in shared memory (double
  *    buffered: one barrier per block, __syncthreads_or also telling whether the block had a token)
  *    and the threads of token group 0 write the block with 16-byte stores. The block containing
  *    start in an update is merged with its content (read, channel 0 included, before the barrier:
@@ -79,14 +79,41 @@ __device__ __forceinline__ uint32_t unkey4(uint32_t k)
 }
 __device__ __forceinline__ uint32_t key8(uint32_t b) { return (b ^ ((b & 0x80u) ? 0xFFu : 0x80u)) & 0xFFu; }
 
-/* packed keys of EB-byte elements (EB 2: two halves; 1: four bytes): key, unkey, min, max; a row's
- * channel-0 element as a key */
+/* Keys of EB-byte elements, kept in 16-bit lanes (min/max by __vminu2 / __vmaxu2, one instruction each
+ * on sm_90; there is no 8-bit SIMD min/max, and __vminu4 expands to a dozen bit operations): a thread's
+ * 16-byte chunk is W words of keys -- EB 2: the 4 words as they are; EB 1 (fp8): each word's 4 byte keys
+ * spread over 2 words (bytes 0, 1 and 2, 3 zero-extended to 16 bits). fold_min / fold_max fold a raw
+ * word (index i of the chunk) in; narrow gives raw word i back from the keys; key0: a row's channel 0. */
 template <int EB>
 struct Keys {
-    static __device__ __forceinline__ uint32_t key(uint32_t w) { return EB == 2 ? key2(w) : key4(w); }
-    static __device__ __forceinline__ uint32_t unkey(uint32_t k) { return EB == 2 ? unkey2(k) : unkey4(k); }
-    static __device__ __forceinline__ uint32_t min(uint32_t a, uint32_t b) { return EB == 2 ? __vminu2(a, b) : __vminu4(a, b); }
-    static __device__ __forceinline__ uint32_t max(uint32_t a, uint32_t b) { return EB == 2 ? __vmaxu2(a, b) : __vmaxu4(a, b); }
+    static constexpr int W = EB == 2 ? 4 : 8;
+    static __device__ __forceinline__ void fold_min(uint32_t (&m)[W], int i, uint32_t raw)
+    {
+        if constexpr (EB == 2) {
+            m[i] = __vminu2(m[i], key2(raw));
+        } else {
+            const uint32_t k = key4(raw);
+            m[2 * i] = __vminu2(m[2 * i], __byte_perm(k, 0u, 0x4140u));
+            m[2 * i + 1] = __vminu2(m[2 * i + 1], __byte_perm(k, 0u, 0x4342u));
+        }
+    }
+    static __device__ __forceinline__ void fold_max(uint32_t (&m)[W], int i, uint32_t raw)
+    {
+        if constexpr (EB == 2) {
+            m[i] = __vmaxu2(m[i], key2(raw));
+        } else {
+            const uint32_t k = key4(raw);
+            m[2 * i] = __vmaxu2(m[2 * i], __byte_perm(k, 0u, 0x4140u));
+            m[2 * i + 1] = __vmaxu2(m[2 * i + 1], __byte_perm(k, 0u, 0x4342u));
+        }
+    }
+    static __device__ __forceinline__ uint32_t narrow(const uint32_t (&m)[W], int i)
+    {
+        if constexpr (EB == 2)
+            return unkey2(m[i]);
+        else
+            return unkey4(__byte_perm(m[2 * i], m[2 * i + 1], 0x6420u));
+    }
     static __device__ __forceinline__ uint32_t key0(const char *row)
     {
         return EB == 2 ? key16(*reinterpret_cast<const uint16_t *>(row)) : key8(*reinterpret_cast<const uint8_t *>(row));
@@ -106,7 +133,8 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
     pdl_enter();
     using K = Keys<EB>;
     constexpr int TG = META_THREADS / C, CH = 16 / EB; /* channels per chunk */
-    __shared__ uint4 red_mn[2][TG][C], red_mx[2][TG][C];
+    constexpr int W = K::W, WQ = W / 4;                /* key words per chunk, as uint4s */
+    __shared__ uint4 red_mn[2][TG][C][WQ], red_mx[2][TG][C][WQ];
     const int tid = (int)threadIdx.x, c = tid % C, tg = tid / C;
     const int64_t cap = (int64_t)p.max_pages * p.P;
     const int G = p.block_size, P = p.P;
@@ -139,7 +167,10 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                 const int lo = jg > s ? (int)jg : s, hi = jg + G < e ? (int)(jg + G) : e;
                 const bool merge = jg < s;
                 char *m0 = mb + EB * (j * p.meta_stride_j), *m1 = m0 + EB * p.meta_stride_m;
-                uint32_t mn[4] = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu}, mx[4] = {0u, 0u, 0u, 0u};
+                uint32_t mn[W], mx[W];
+#pragma unroll
+                for (int i = 0; i < W; i++)
+                    mn[i] = 0xFFFFFFFFu, mx[i] = 0u;
                 int any = 0;
                 for (int t0 = lo + tg; t0 < hi; t0 += TG * META_UNROLL) {
                     uint4 v[META_UNROLL];
@@ -164,9 +195,8 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                             const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
                             for (int i = 0; i < 4; i++) {
-                                const uint32_t k2 = K::key(w[i]);
-                                mn[i] = K::min(mn[i], k2);
-                                mx[i] = K::max(mx[i], k2);
+                                K::fold_min(mn, i, w[i]);
+                                K::fold_max(mx, i, w[i]);
                             }
                         }
                     }
@@ -182,30 +212,36 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                         o1 = *reinterpret_cast<const uint4 *>(m1);
                     }
                 }
-                red_mn[buf][tg][c] = make_uint4(mn[0], mn[1], mn[2], mn[3]);
-                red_mx[buf][tg][c] = make_uint4(mx[0], mx[1], mx[2], mx[3]);
+#pragma unroll
+                for (int q = 0; q < WQ; q++) {
+                    red_mn[buf][tg][c][q] = make_uint4(mn[4 * q], mn[4 * q + 1], mn[4 * q + 2], mn[4 * q + 3]);
+                    red_mx[buf][tg][c][q] = make_uint4(mx[4 * q], mx[4 * q + 1], mx[4 * q + 2], mx[4 * q + 3]);
+                }
                 any = __syncthreads_or(any);
                 if (tg == 0) {
                     for (int g = 1; g < TG; g++) {
-                        const uint4 a = red_mn[buf][g][c], z = red_mx[buf][g][c];
-                        mn[0] = K::min(mn[0], a.x), mn[1] = K::min(mn[1], a.y);
-                        mn[2] = K::min(mn[2], a.z), mn[3] = K::min(mn[3], a.w);
-                        mx[0] = K::max(mx[0], z.x), mx[1] = K::max(mx[1], z.y);
-                        mx[2] = K::max(mx[2], z.z), mx[3] = K::max(mx[3], z.w);
+#pragma unroll
+                        for (int q = 0; q < WQ; q++) {
+                            const uint4 a = red_mn[buf][g][c][q], z = red_mx[buf][g][c][q];
+                            mn[4 * q] = __vminu2(mn[4 * q], a.x), mn[4 * q + 1] = __vminu2(mn[4 * q + 1], a.y);
+                            mn[4 * q + 2] = __vminu2(mn[4 * q + 2], a.z), mn[4 * q + 3] = __vminu2(mn[4 * q + 3], a.w);
+                            mx[4 * q] = __vmaxu2(mx[4 * q], z.x), mx[4 * q + 1] = __vmaxu2(mx[4 * q + 1], z.y);
+                            mx[4 * q + 2] = __vmaxu2(mx[4 * q + 2], z.z), mx[4 * q + 3] = __vmaxu2(mx[4 * q + 3], z.w);
+                        }
                     }
                     if (!(merge && !any)) { /* a merged block without new tokens keeps its content */
                         if (had) {
                             const uint32_t a[4] = {o0.x, o0.y, o0.z, o0.w}, z[4] = {o1.x, o1.y, o1.z, o1.w};
 #pragma unroll
                             for (int i = 0; i < 4; i++) {
-                                mn[i] = K::min(mn[i], K::key(a[i]));
-                                mx[i] = K::max(mx[i], K::key(z[i]));
+                                K::fold_min(mn, i, a[i]);
+                                K::fold_max(mx, i, z[i]);
                             }
                         }
                         uint4 w0, w1;
                         if (any) {
-                            w0 = make_uint4(K::unkey(mn[0]), K::unkey(mn[1]), K::unkey(mn[2]), K::unkey(mn[3]));
-                            w1 = make_uint4(K::unkey(mx[0]), K::unkey(mx[1]), K::unkey(mx[2]), K::unkey(mx[3]));
+                            w0 = make_uint4(K::narrow(mn, 0), K::narrow(mn, 1), K::narrow(mn, 2), K::narrow(mn, 3));
+                            w1 = make_uint4(K::narrow(mx, 0), K::narrow(mx, 1), K::narrow(mx, 2), K::narrow(mx, 3));
                         } else {
                             w0 = make_uint4(pinf2, pinf2, pinf2, pinf2);
                             w1 = make_uint4(ninf2, ninf2, ninf2, ninf2);
