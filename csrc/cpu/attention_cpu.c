@@ -44,7 +44,6 @@
 
 /* ---- element types (conversions: elem.h) ------------------------------------------------------ */
 
-static inline size_t elem_size(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : dtype == GVR_ELEM_E4M3 ? 1 : 2; }
 
 static void store_row(int32_t dtype, void *dst, const float *restrict src, int n)
 {
@@ -61,7 +60,7 @@ static void store_row(int32_t dtype, void *dst, const float *restrict src, int n
     }
 }
 
-static void store_zero_row(int32_t dtype, void *dst, int n) { memset(dst, 0, (size_t)n * elem_size(dtype)); }
+static void store_zero_row(int32_t dtype, void *dst, int n) { memset(dst, 0, (size_t)n * gvr_elem_bytes(dtype)); }
 
 /* ---- the merge of two states -------------------------------------------------------------------- */
 
@@ -348,7 +347,7 @@ static void attn_heads(const attn_ctx *c, const unit_scratch *u, int64_t b, int 
 {
     const gvr_attention_params *p = c->p;
     const int D = p->D, Gq = c->Gq, Hu = nh * Gq;
-    const size_t qes = elem_size(p->dtype);
+    const size_t qes = gvr_elem_bytes(p->dtype);
     const float qs = p->scale * p->k_scale; /* K' = k_scale * K folded into q (scale exactly when k_scale is 1) */
     for (int g = 0; g < Hu; g++) {
         const int64_t h = (int64_t)kv0 * Gq + g;
@@ -432,7 +431,7 @@ static void attn_heads(const attn_ctx *c, const unit_scratch *u, int64_t b, int 
     }
 
     /* the states */
-    const size_t oes = elem_size(p->out_dtype);
+    const size_t oes = gvr_elem_bytes(p->out_dtype);
     for (int g = 0; g < Hu; g++) {
         const int64_t h = (int64_t)kv0 * Gq + g;
         char *orow = (char *)p->out + (size_t)(b * p->out_stride_b + h * p->out_stride_h) * oes;
@@ -550,7 +549,7 @@ static int merge_unit(void *vctx, int64_t unit)
     const int64_t rows = p->B * p->H;
     const int64_t r0 = unit * MERGE_ROWS_PER_UNIT;
     const int64_t r1 = r0 + MERGE_ROWS_PER_UNIT < rows ? r0 + MERGE_ROWS_PER_UNIT : rows;
-    const size_t sa = elem_size(p->dtype_a), sb = elem_size(p->dtype_b), so = elem_size(p->dtype_out);
+    const size_t sa = gvr_elem_bytes(p->dtype_a), sb = gvr_elem_bytes(p->dtype_b), so = gvr_elem_bytes(p->dtype_out);
     float a[MERGE_SPAN], bv[MERGE_SPAN];
     for (int64_t r = r0; r < r1; r++) {
         const int64_t b = r / p->H, h = r % p->H;
@@ -746,7 +745,7 @@ static int finalize_unit(void *vctx, int64_t unit)
     }
     radix_sort(kept, NULL, tk, NULL, nk); /* entry order */
 
-    const size_t oes = elem_size(p->out_dtype);
+    const size_t oes = gvr_elem_bytes(p->out_dtype);
     for (int g = 0; g < c->Gq; g++) {
         const int64_t h = (int64_t)s * c->Gq + g;
         char *orow = (char *)p->out + (size_t)(b * p->out_stride_b + h * p->out_stride_h) * oes;

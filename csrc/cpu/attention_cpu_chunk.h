@@ -241,7 +241,7 @@ static TARGET void SFX(attn_chunk)(const attn_ctx *c, const unit_scratch *u, int
     const gvr_attention_params *p = c->p;
     const int D = p->D, Gq = c->Gq, Hu = nh * Gq;
     const int64_t ksh = p->k_stride_head, vsh = p->v_stride_head;
-    const size_t es = elem_size(p->kv_dtype), rb = (size_t)D * es;
+    const size_t es = gvr_elem_bytes(p->kv_dtype), rb = (size_t)D * es;
     float *restrict S = u->s;
 
     /* 1. scores S[g][t] = q_g . k_t, QT tokens against each query head of their KV head */

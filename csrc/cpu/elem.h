@@ -5,6 +5,7 @@
 #ifndef GVR_CPU_ELEM_H
 #define GVR_CPU_ELEM_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -49,6 +50,9 @@ static inline float gvr_e4m3_to_f32(uint8_t x)
     const uint32_t r = (s & sub) | (o & ~sub);
     return gvr_bits_f32(((r & ~nan) | (0x7FC00000u & nan)) | (uint32_t)(x & 0x80u) << 24);
 }
+
+/* bytes per element of type dtype (0 float32, 1 IEEE half, 2 bfloat16, 3 fp8 e4m3fn: GVR_ELEM_*) */
+static inline size_t gvr_elem_bytes(int32_t dtype) { return dtype == 0 ? 4 : dtype == 3 ? 1 : 2; }
 
 /* n elements of type dtype (0 float32, 1 IEEE half, 2 bfloat16, 3 fp8 e4m3fn: GVR_ELEM_* and
  * GVR_TOPK_* of gvr_kernels.h) at src -> floats */
@@ -108,6 +112,8 @@ static inline uint16_t gvr_f32_to_bf16(float f)
 
 /* totalOrder keys: key(a) < key(b) exactly when a is below b in IEEE 754 totalOrder (-NaN < -inf <
  * ... < -0 < +0 < ... < +inf < +NaN); unkey inverts key. */
+static inline uint8_t gvr_key8(uint8_t b) { return (uint8_t)(b ^ ((b & 0x80u) ? 0xFFu : 0x80u)); } /* fp8 */
+static inline uint8_t gvr_unkey8(uint8_t k) { return (uint8_t)(k ^ ((k & 0x80u) ? 0x80u : 0xFFu)); }
 static inline uint16_t gvr_key16(uint16_t b) { return (uint16_t)(b ^ ((b & 0x8000u) ? 0xFFFFu : 0x8000u)); }
 static inline uint16_t gvr_unkey16(uint16_t k) { return (uint16_t)(k ^ ((k & 0x8000u) ? 0x8000u : 0xFFFFu)); }
 static inline uint32_t gvr_key32(uint32_t b) { return b ^ ((b & 0x80000000u) ? 0xFFFFFFFFu : 0x80000000u); }

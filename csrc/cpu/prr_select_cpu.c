@@ -21,12 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline size_t esize(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : dtype == GVR_ELEM_E4M3 ? 1 : 2; }
-
-/* totalOrder keys of fp8 e4m3fn bytes (sign-magnitude, as the wider floats) */
-static inline uint8_t key8(uint8_t b) { return (uint8_t)(b ^ ((b & 0x80u) ? 0xFFu : 0x80u)); }
-static inline uint8_t unkey8(uint8_t k) { return (uint8_t)(k ^ ((k & 0x80u) ? 0x80u : 0xFFu)); }
-
 static inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 /* ---- block metadata ------------------------------------------------------------------------------ */
@@ -50,7 +44,7 @@ static void fold16(const uint16_t *restrict x, uint16_t *restrict mn, uint16_t *
 static void fold8(const uint8_t *restrict x, uint8_t *restrict mn, uint8_t *restrict mx, int D)
 {
     for (int d = 0; d < D; d++) {
-        const uint8_t k = key8(x[d]);
+        const uint8_t k = gvr_key8(x[d]);
         mn[d] = k < mn[d] ? k : mn[d];
         mx[d] = k > mx[d] ? k : mx[d];
     }
@@ -73,7 +67,7 @@ static int meta_unit(void *vctx, int64_t unit)
     const int D = p->D, G = p->block_size, P = p->P;
     const int64_t b = unit / p->Hkv;
     const int h = (int)(unit - b * p->Hkv);
-    const size_t es = esize(p->dtype);
+    const size_t es = gvr_elem_bytes(p->dtype);
     const int int16 = es == 2, int8 = es == 1;
     int64_t s = 0, e = p->end ? clamp64(p->end[b], 0, c->cap) : c->cap, j0 = 0, j1 = p->Nb;
     if (p->start) {
@@ -129,9 +123,9 @@ static int meta_unit(void *vctx, int64_t unit)
             /* the existing content, unless the block is empty (channel 0: min above max) */
             if (int8) {
                 const uint8_t *e0 = (const uint8_t *)m0, *e1 = (const uint8_t *)m1;
-                if (key8(e0[0]) <= key8(e1[0]))
+                if (gvr_key8(e0[0]) <= gvr_key8(e1[0]))
                     for (int d = 0; d < D; d++) {
-                        const uint8_t a = key8(e0[d]), z = key8(e1[d]);
+                        const uint8_t a = gvr_key8(e0[d]), z = gvr_key8(e1[d]);
                         mn8[d] = a < mn8[d] ? a : mn8[d];
                         mx8[d] = z > mx8[d] ? z : mx8[d];
                     }
@@ -156,8 +150,8 @@ static int meta_unit(void *vctx, int64_t unit)
         if (int8) { /* empty: +NaN, -NaN (e4m3fn has no infinities) */
             uint8_t *o0 = (uint8_t *)m0, *o1 = (uint8_t *)m1;
             for (int d = 0; d < D; d++) {
-                o0[d] = any ? unkey8(mn8[d]) : 0x7Fu;
-                o1[d] = any ? unkey8(mx8[d]) : 0xFFu;
+                o0[d] = any ? gvr_unkey8(mn8[d]) : 0x7Fu;
+                o1[d] = any ? gvr_unkey8(mx8[d]) : 0xFFu;
             }
         } else if (int16) {
             uint16_t *o0 = (uint16_t *)m0, *o1 = (uint16_t *)m1;
@@ -199,7 +193,7 @@ static inline uint32_t key0(int32_t dtype, const void *row)
         return gvr_key32(b);
     }
     if (dtype == GVR_ELEM_E4M3)
-        return key8(*(const uint8_t *)row);
+        return gvr_key8(*(const uint8_t *)row);
     uint16_t b;
     memcpy(&b, row, 2);
     return gvr_key16(b);
@@ -240,7 +234,7 @@ static int scores_unit(void *vctx, int64_t unit)
     const int D = p->D, GQ = p->Hq / p->Hkv;
     const int64_t b = unit / p->Hkv;
     const int h = (int)(unit - b * p->Hkv);
-    const size_t es = esize(p->dtype), mes = esize(p->meta_dtype);
+    const size_t es = gvr_elem_bytes(p->dtype), mes = gvr_elem_bytes(p->meta_dtype);
     const int64_t G = p->block_size, cap = (int64_t)p->Nb * G;
     const int64_t len = p->lengths ? clamp64(p->lengths[b], 0, cap) : cap;
     const int64_t nb = (len + G - 1) / G;

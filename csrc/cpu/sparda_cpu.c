@@ -12,7 +12,6 @@
 
 static inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
-static inline size_t esize(int32_t dtype) { return dtype == GVR_ELEM_F32 ? 4 : dtype == GVR_ELEM_E4M3 ? 1 : 2; }
 
 static inline float load_elem(const char *p, int32_t dtype)
 {
@@ -59,7 +58,7 @@ static int ckeys_unit(void *vctx, int64_t unit)
     const int D = p->D;
     const int64_t b = unit / p->Hkv;
     const int h = (int)(unit - b * p->Hkv);
-    const size_t es = esize(p->dtype), kes = esize(p->k_dtype); /* out's, k's */
+    const size_t es = gvr_elem_bytes(p->dtype), kes = gvr_elem_bytes(p->k_dtype); /* out's, k's */
     float *acc = (float *)malloc((size_t)(D ? D : 1) * sizeof(float));
     if (!acc)
         return -1;
