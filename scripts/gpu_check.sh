@@ -33,7 +33,7 @@
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
-#   ncu      Nsight Compute on the B=1 attention cells (1K, 8K tokens)
+#   ncu      Nsight Compute on the B=1 attention cells (1K, 4K, 8K tokens)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
 #            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
 # The build runs once per machine and source state (a stamp in /tmp); GVR_CUDA_ARCHS defaults to 90a.
@@ -358,8 +358,8 @@ hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev
   echo "exit $?"; tail -70 "$OUT/bench_hint_sweep.log"
 }
 
-ncu_b1() {  # Nsight Compute on the B=1 cells of 1K and 8K tokens
-  for tok in 1024 8192; do
+ncu_b1() {  # Nsight Compute on the B=1 cells of 1K, 4K and 8K tokens (NCU_TOKENS overrides)
+  for tok in ${NCU_TOKENS:-1024 4096 8192}; do
     say "ncu B=1 $tok tokens"
     (cd /tmp && timeout 120 ncu -k regex:gvr_attention --launch-skip 2 --launch-count 1 --section SpeedOfLight \
       --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \

@@ -26,6 +26,7 @@
 
 #include "common/cluster.cuh"
 #include "common/device.cuh"
+#include "common/fp8.cuh"
 #include "common/launch.cuh"
 #include "common/profile.cuh"
 #include "gvr_kernels.h"
@@ -108,7 +109,7 @@ struct DecodeArgs {
 constexpr int resident_ctas(int hc) { return GVR_DECODE_MINB(hc); }
 
 /* One kernel instance: q element type ELEM (GVR_ELEM_F16 / GVR_ELEM_BF16), K/V element type KVE (ELEM, or
- * GVR_ELEM_E4M3: 8-byte pieces of 8 fp8 values per lane, decoded exactly: cvt8_e4m3), head dim D, HC heads
+ * GVR_ELEM_E4M3: 8-byte pieces of 8 fp8 values per lane, decoded exactly: e4m3x8_to_f32), head dim D, HC heads
  * per CTA, MODE: DECODE_PLAIN, DECODE_PART (per-entry partial states, one sub-warp per entry) or
  * DECODE_EXTRA (prr.repair's exclusion / counts / cast; compiled out of the other modes: they cost the
  * plain attention 0.25-0.45 us at B=1, H100). Explicitly instantiated in decode_d<D>.cu. */
@@ -197,24 +198,6 @@ __device__ __forceinline__ void cvt8(const uint4 r, float f[8])
     }
 }
 
-/* 8 fp8 e4m3fn values of 8 bytes to floats: exact (every e4m3 value is a half; NaN stays NaN), through
- * the packed conversion e4m3x2 -> f16x2 and half -> float. (An integer-only decode -- the byte placed
- * under float's exponent, times 2^120, NaN codes patched -- measured slower on the H100: B=64, 2K tokens
- * 224 us against 164.) */
-__device__ __forceinline__ void cvt8_e4m3(const uint2 r, float f[8])
-{
-    const uint32_t w[2] = {r.x, r.y};
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> (16 * j)), __NV_E4M3);
-            const float2 t = h2f((uint32_t)hr.x | ((uint32_t)hr.y << 16));
-            f[4 * i + 2 * j] = t.x;
-            f[4 * i + 2 * j + 1] = t.y;
-        }
-}
-
 __device__ __forceinline__ uint2 ld_nc_v2(const void *p)
 {
     uint2 r;
@@ -237,7 +220,9 @@ struct KVPiece<GVR_ELEM_E4M3> {
     using Raw = uint2;
     static __device__ __forceinline__ Raw load(const void *p) { return ld_nc_v2(p); }
     static __device__ __forceinline__ Raw zero() { return make_uint2(0, 0); }
-    static __device__ __forceinline__ void cvt(const Raw r, float f[8]) { cvt8_e4m3(r, f); }
+    /* exact (common/fp8.cuh; an integer-only decode -- the byte placed under float's exponent, times 2^120,
+     * NaN codes patched -- measured slower on the H100: B=64, 2K tokens 224 us against 164) */
+    static __device__ __forceinline__ void cvt(const Raw r, float (&f)[8]) { e4m3x8_to_f32(r, f); }
 };
 
 __device__ __forceinline__ uint16_t f2bf(float x)

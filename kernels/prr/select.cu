@@ -34,6 +34,7 @@
 
 #include "common/cluster.cuh"
 #include "common/device.cuh"
+#include "common/fp8.cuh"
 #include "common/launch.cuh"
 #include "common/runtime.cuh"
 #include "gvr_kernels.h"
@@ -324,16 +325,7 @@ struct MetaPiece<GVR_ELEM_E4M3> {
     static __device__ __forceinline__ Raw load(const char *p) { return __ldg(reinterpret_cast<const uint2 *>(p)); }
     static __device__ __forceinline__ Raw zero() { return make_uint2(0, 0); }
     static __device__ __forceinline__ uint32_t key0(const Raw r) { return key8(r.x & 0xFFu); }
-    static __device__ __forceinline__ void unpack(const Raw r, float (&f)[8])
-    {
-        const uint32_t w[2] = {r.x, r.y};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i / 2] >> (16 * (i % 2))), __NV_E4M3);
-            f[2 * i] = __half2float(__ushort_as_half(hr.x));
-            f[2 * i + 1] = __half2float(__ushort_as_half(hr.y));
-        }
-    }
+    static __device__ __forceinline__ void unpack(const Raw r, float (&f)[8]) { e4m3x8_to_f32(r, f); }
 };
 
 /* L = D / 8 lanes per block; DT: q's element type, MDT: meta's (DT or fp8 e4m3fn) */

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "common/cluster.cuh"
+#include "common/fp8.cuh"
 #include "common/launch.cuh"
 #include "common/runtime.cuh"
 #include "gvr_kernels.h"
@@ -35,8 +36,8 @@ __device__ __forceinline__ float load(const char *p)
         return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t *>(p)));
     else if constexpr (ELEM == GVR_ELEM_BF16)
         return __bfloat162float(__ushort_as_bfloat16(*reinterpret_cast<const uint16_t *>(p)));
-    else /* fp8 e4m3fn: exact through half */
-        return __half2float(__half(__nv_cvt_fp8_to_halfraw(*reinterpret_cast<const __nv_fp8_storage_t *>(p), __NV_E4M3)));
+    else /* fp8 e4m3fn: exact */
+        return e4m3_to_f32(*reinterpret_cast<const uint8_t *>(p));
 }
 
 template <int ELEM>
