@@ -47,25 +47,31 @@ constexpr int MAX_CLUSTER = GVR_DECODE_MAX_CLUSTER;
  * [C][HC][2] (m, l) floats */
 __host__ __device__ constexpr int cluster_state_bytes(int hc, int d) { return hc * d * 4 + hc * 8; }
 
-/* Everything the kernel reads, resolved by the host (decode.cu). Strides in elements. */
+/* Everything the kernel reads, resolved by the host (decode.cu). Strides in elements. The fields a CTA needs
+ * first (its unit and split, q, the entry, length and block-table rows, the caches) come first: a launch's
+ * parameters are new to the constant caches, and each 64-byte line of them read is a round trip. */
 struct DecodeArgs {
-    const void *q;
+    int Hkv, GQ, nch, S;
+    int cl; /* > 1: the S splits of a unit are one cluster of S CTAs: ranks 1.. push their states into rank 0's
+             * shared memory (st.async), rank 0 merges them (no workspace, no global round trip) */
     int q_vec; /* q and its strides allow 16-byte loads */
+    int n;
+    int G;
+    int P;
+    int max_pages;
+    int accumulate;
+    const void *q;
     long long q_sb, q_sh;
+    const int32_t *idx;
+    long long idx_sb, idx_sh; /* idx_sh already 0 when Hsel == 1 */
+    const int32_t *bt; /* NULL: physical slots */
+    long long bt_sb;
+    const int32_t *lengths;
     const void *k;
     long long k_sp, k_st, k_sh;
     const void *v;
     long long v_sp, v_st, v_sh;
     long long num_pages;
-    int P;
-    const int32_t *idx;
-    long long idx_sb, idx_sh; /* idx_sh already 0 when Hsel == 1 */
-    int n;
-    const int32_t *bt; /* NULL: physical slots */
-    long long bt_sb;
-    int max_pages;
-    const int32_t *lengths;
-    int G;
     float qscale; /* scale * k_scale * log2(e) */
     float vscale; /* v_scale */
     void *out;
@@ -74,10 +80,11 @@ struct DecodeArgs {
     long long out_sb, out_sh;
     float *lse;
     long long lse_sb, lse_sh;
-    int accumulate;
     float *part_out;
     long long po_sb, po_sh, po_se;
     int po_vec; /* part_out allows 16-byte vector stores */
+    int part_cta; /* partials through the token path: S == n (one entry per CTA), each CTA's state written as its
+                   * entry's partial (the PART instances' sub-warp-per-entry path serves the other plans) */
     float *part_lse;
     long long pl_sb, pl_sh;
     /* prr.repair's fused extras (gvr_attention_params): entries of idx found in the exclusion row skipped,
@@ -85,17 +92,12 @@ struct DecodeArgs {
     const int32_t *xidx; /* NULL: nothing excluded */
     long long x_sb, x_sh; /* x_sh 0 when one exclusion row serves every KV head */
     int nx;
-    unsigned long long *counts; /* NULL or int64 [ncounts], ncounts 2 or 4: += (hits, entries >= 0) */
     int ncounts;
+    unsigned long long *counts; /* NULL or int64 [ncounts], ncounts 2 or 4: += (hits, entries >= 0) */
     int count_all; /* the idx row is per KV head (Hsel == Hkv): every KV head's unit counts its own row */
-    void *cast;
     int cast_dtype, cast_vec;
+    void *cast;
     long long cast_sb, cast_sh;
-    int Hkv, GQ, nch, S;
-    int part_cta; /* partials through the token path: S == n (one entry per CTA), each CTA's state written as its
-                   * entry's partial (the PART instances' sub-warp-per-entry path serves the other plans) */
-    int cl; /* > 1: the S splits of a unit are one cluster of S CTAs: ranks 1.. push their states into rank 0's
-             * shared memory (st.async), rank 0 merges them (no workspace, no global round trip) */
     float *ws_o;   /* [units][S][HC][D] */
     float *ws_ml;  /* [units][S][HC][2] */
     int *ws_cnt;   /* [units] */
