@@ -16,7 +16,8 @@
  * MIN_SPLIT_TOKENS 64 (measured on the H100, 2026-11-23: B=1, 1K tokens 15.8 -> 14.5 us cold against 128,
  * no change at 4K/8K/B=64, 32 and 16 no better). A tensor-core variant (mma.sync for q.K and P.V) and a
  * cp.async ring of 4 steps of K/V per CTA were measured and dropped: no faster at B=1 (28.1 vs 27.7 us at
- * 8K; the ring 32.6), the ring slower at B=64. */
+ * 8K; the ring 32.6), the ring slower at B=64; a tensor-core path again in 2026-11 (session 16,
+ * scripts/patches/decode_mma.diff): 0.2 us faster warm at 1K, 0.3-1.1 us slower cold, 3% at B=64. */
 #include <cuda_runtime.h>
 
 #include <cstdint>
