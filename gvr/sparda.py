@@ -223,10 +223,18 @@ def _ckeys_impl(k_cache, block_table, lengths, kernel, stride):
     return _run_ckeys(k_cache, block_table, lengths, None, None, kernel, stride, None)
 
 
+def _is_e4m3(x):
+    """whether x holds fp8 e4m3fn values: torch.float8_e4m3fn, or NumPy's ml_dtypes.float8_e4m3fn"""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.dtype == getattr(torch, "float8_e4m3fn", None)
+    return getattr(getattr(x, "dtype", None), "name", None) == "float8_e4m3fn"
+
+
 def _ckeys_dtype(k_cache):
-    """ktilde's dtype name for _new: None (k_cache's); an fp8 cache's: bfloat16 (torch, CuPy) or float32
-    (NumPy, which has no bfloat16 of its own)"""
-    if "float8" not in str(getattr(k_cache, "dtype", "")):
+    """ktilde's dtype name for _new: None (k_cache's); an fp8 cache's: bfloat16 (torch) or float32 (NumPy,
+    which has no bfloat16 of its own)"""
+    if not _is_e4m3(k_cache):
         return None
     return "float32" if type(k_cache).__module__.startswith("numpy") else "bfloat16"
 
