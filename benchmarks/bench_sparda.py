@@ -26,9 +26,11 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
             (layer 0 has none: SparDA selects it in the same layer, paper 004 section 4.6)
   prefetcher  the persistent Prefetcher (16 CTAs, started once) against the stream-ordered prefetch,
             eager, 64-token blocks: submit + wait vs prefetch, timed with events
+  fp8       the same gathers from an fp8 (e4m3fn) host cache against a bfloat16 one (64-token blocks,
+            8..512 blocks; tma and kernel in a graph, memcpy eager): half the bytes, how much of the time
 Every gather is checked byte for byte against the host pages. While a Prefetcher runs nothing allocates
 and nothing synchronizes the device. Usage: python benchmarks/bench_sparda.py [--json PATH] [--quick]
-[--only prefetcher|shapes|pipeline]
+[--only prefetcher|shapes|pipeline|fp8]
 """
 import argparse
 import os
@@ -44,8 +46,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer block counts, no pipeline")
-    ap.add_argument("--only", choices=("prefetcher", "shapes", "pipeline"), default=None,
-                    help="one section: the eager Prefetcher timing, the gather CTA shapes, or the pipelines")
+    ap.add_argument("--only", choices=("prefetcher", "shapes", "pipeline", "fp8"), default=None,
+                    help="one section: the eager Prefetcher timing, the gather CTA shapes, the pipelines, or fp8 "
+                         "vs bfloat16 gathers")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import gvr.sparda  # noqa: F401
@@ -59,6 +62,8 @@ def main():
             r = {"header": meta, "prefetcher": persistent(gvr, torch)}
         elif args.only == "shapes":
             r = {"header": meta, "shapes": shapes(gvr, torch, timer)}
+        elif args.only == "fp8":
+            r = {"header": meta, "fp8": fp8_gathers(gvr, torch, timer)}
         else:
             r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay) for lay in ("8b", "light")]}
         if args.json:
@@ -314,7 +319,67 @@ def _check(torch, hk, hv, dk, dv, sel, slot_map):
     slots = sm[sel.long()]
     if (slots < 0).any():
         return False
-    return bool(torch.equal(dk.cpu()[slots.long()], hk[sel.long()]) and torch.equal(dv.cpu()[slots.long()], hv[sel.long()]))
+
+    def raw(x):  # bytes (torch.equal has no fp8 kernels; NaN payloads compare as bytes)
+        return x.view(torch.uint8)
+    return bool(torch.equal(raw(dk.cpu()[slots.long()]), raw(hk[sel.long()]))
+                and torch.equal(raw(dv.cpu()[slots.long()]), raw(hv[sel.long()])))
+
+
+def fp8_gathers(gvr, torch, timer):
+    """64-token blocks (Hkv 8, D 128) from an fp8 (e4m3fn) and a bfloat16 host cache: µs and GB/s per method"""
+    dev = torch.device("cuda")
+    bench_stream = torch.cuda.Stream()  # cudaMemcpyBatchAsync refuses the legacy default stream
+    torch.cuda.set_stream(bench_stream)
+    P, pages, Hkv, D = 64, 4096, 8, 128
+    methods = ("tma_graph", "kernel_graph", "memcpy")
+    caches = {}
+    for name, dt in (("bfloat16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        cache = gvr.sparda.HostKVCache(1, pages, P, Hkv, D, dt, device="cuda")
+        torch.manual_seed(1)
+        for x in (cache.k(0), cache.v(0)):  # random bytes: every e4m3fn code (NaNs too), or bf16 values
+            x.view(torch.uint8).copy_(torch.randint(0, 256, x.view(torch.uint8).shape, dtype=torch.uint8))
+        caches[name] = (cache, dt)
+    rows, out = [], []
+    g = torch.Generator().manual_seed(3)
+    headers = ["blocks", "MiB bf16"] + [f"{m} {c}" for m in methods for c in ("bf16", "fp8")] + \
+              [f"bf16/fp8 {m}" for m in methods] + ["check"]
+    for n in (8, 32, 128, 512):
+        sel = torch.randperm(pages, generator=g)[:n].int()
+        ix_h = sel.view(1, 1, n).contiguous()
+        ix_d = ix_h.to(dev)
+        t, ok = {}, True
+        for name, (cache, dt) in caches.items():
+            hk, hv = cache.k(0), cache.v(0)
+            dk = torch.empty((n, P, Hkv, D), dtype=dt, device=dev)
+            dv = torch.empty_like(dk)
+            sm_out = torch.empty((1, pages), dtype=torch.int32, device=dev)
+            for method in ("tma", "kernel"):
+                t[(f"{method}_graph", name)] = timer.graph(lambda: gvr.sparda.prefetch(
+                    hk, hv, ix_d, dk, dv, method=method, slot_map_out=sm_out), 5, 5)["median_us"]
+                torch.cuda.synchronize()
+                ok = ok and _check(torch, hk, hv, dk, dv, sel, sm_out)
+                dk.view(torch.uint8).zero_()
+                dv.view(torch.uint8).zero_()
+            t[("memcpy", name)] = timer.events(lambda: gvr.sparda.prefetch(hk, hv, ix_h, dk, dv, method="memcpy"),
+                                               20)["median_us"]
+            m = gvr.sparda.prefetch(hk, hv, ix_h, dk, dv, method="memcpy")
+            torch.cuda.synchronize()
+            ok = ok and _check(torch, hk, hv, dk, dv, sel, m)
+            del dk, dv
+        nb16 = 2 * n * P * Hkv * D * 2
+        rows.append([n, f"{nb16 / 2**20:.1f}"] + [H.fmt_us(t[(m, c)]) for m in methods for c in ("bfloat16", "fp8")]
+                    + [f"{t[(m, 'bfloat16')] / t[(m, 'fp8')]:.2f}x" for m in methods] + ["ok" if ok else "MISMATCH"])
+        out.append({"blocks": n, "bytes_bf16": nb16, "bytes_fp8": nb16 // 2, "ok": ok,
+                    "us": {f"{m}/{c}": t[(m, c)] for m in methods for c in ("bfloat16", "fp8")},
+                    "gbps": {f"{m}/{c}": (nb16 // (2 if c == "fp8" else 1)) / (t[(m, c)] * 1e-6) / 1e9
+                             for m in methods for c in ("bfloat16", "fp8")}})
+    print("\n## fp8 (e4m3fn) host cache vs bfloat16: prefetch of 64-token blocks, µs")
+    print(H.format_table(headers, rows), flush=True)
+    del hk, hv, x  # the last views of the host buffers: close() refuses while any is alive
+    for cache, _ in caches.values():
+        cache.close()
+    return out
 
 
 def pipeline(gvr, torch, timer, layer="light", prefetcher=True):

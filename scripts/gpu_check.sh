@@ -18,6 +18,7 @@
 #   gputests  every GPU test (check's first part); sanall: compute-sanitizer on every sanitize_case part
 #   topkragged  bench_page_table --only-ragged (row_starts vs per-row calls vs padding)
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
+#   spardafp8  bench_sparda --only fp8 (prefetch from an fp8 host cache vs a bfloat16 one)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
@@ -246,6 +247,12 @@ spardashapes() {  # bench_sparda --only shapes: the gather CTA shapes (bandwidth
     --json "$OUT/results_sparda_shapes.json") 2>&1 | tee "$OUT/bench_sparda_shapes.log" | tail -16
 }
 
+spardafp8() {  # bench_sparda --only fp8: prefetch from an fp8 host cache vs a bfloat16 one
+  say "bench_sparda --only fp8"
+  (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only fp8 \
+    --json "$OUT/results_sparda_fp8.json") 2>&1 | tee "$OUT/bench_sparda_fp8.log" | tail -12
+}
+
 spardapipe() {  # bench_sparda --only pipeline: both layer stand-ins, every schedule, the Prefetcher's graph
   say "bench_sparda --only pipeline"
   (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeline \
@@ -397,6 +404,7 @@ for mode in "${@:-check}"; do
     prrfused) prrfused ;;
     sanall) for c in topk attention prr sparda; do sanitize $c; done ;;
     spardapipe) spardapipe ;;
+    spardafp8) spardafp8 ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
     topkquick) topkquick ;;
