@@ -88,7 +88,8 @@ def test_reference_duplicates_count_twice():
 # --------------------------------------------------------------------------------------------------
 
 PAGE_BLOCK = [(P, G, True) for P in (1, 16, 64, 128) for G in (1, 16, 64, 128)] + \
-             [(P, 1, False) for P in (1, 16, 64, 128)]
+             [(P, 1, False) for P in (1, 16, 64, 128)] + \
+             [(48, 24, True), (24, 48, True), (12, 36, True), (48, 1, False)]  # sizes that are not powers of two
 
 
 @pytest.mark.parametrize("P,G,paged", PAGE_BLOCK,

@@ -47,7 +47,8 @@ def both(case, *, out_f32=False, **kw):
 # the coverage grid
 # --------------------------------------------------------------------------------------------------
 PAGE_BLOCK = [(P, G, True) for P in (1, 16, 64, 128) for G in (1, 16, 64, 128)] + \
-             [(P, 1, False) for P in (1, 16, 64, 128)]
+             [(P, 1, False) for P in (1, 16, 64, 128)] + \
+             [(48, 24, True), (24, 48, True), (12, 36, True), (48, 1, False)]  # sizes that are not powers of two
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

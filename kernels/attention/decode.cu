@@ -318,6 +318,14 @@ GVR_API int gvr_sparse_attention(const gvr_attention_params *p, void *workspace,
     a.nch = g.nch;
     a.S = g.S;
     a.cl = g.cl;
+    {
+        auto lg2 = [](long long v) { return v > 0 && (v & (v - 1)) == 0 ? __builtin_ctzll((unsigned long long)v) : -1; };
+        a.g_shift = lg2(a.G);
+        a.p_shift = lg2(a.P);
+        const long long lim = 1LL << 31;
+        a.i32 = (long long)a.n * a.G < lim && (long long)a.S * a.n < lim && (long long)a.max_pages * a.P < lim &&
+                a.num_pages * a.P < lim;
+    }
     a.part_cta = g.part_cta;
     if (g.S > 1 && g.cl <= 1) {
         char *ws = (char *)workspace;

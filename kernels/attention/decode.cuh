@@ -60,6 +60,8 @@ struct DecodeArgs {
     int P;
     int max_pages;
     int accumulate;
+    int g_shift, p_shift; /* log2 of G / of P when a power of two, else -1 */
+    int i32; /* every token position, entry and s * n below 2^31: 32-bit index arithmetic */
     const void *q;
     long long q_sb, q_sh;
     const int32_t *idx;
@@ -411,7 +413,9 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         }
     };
 
-    const long long e0 = (long long)s * a.n / a.S, e1 = (long long)(s + 1) * a.n / a.S;
+    /* this split's entries [e0, e1) (32-bit divisions when they fit: a 64-bit one is a long call) */
+    const long long e0 = a.i32 ? (long long)((unsigned)(s * a.n) / (unsigned)a.S) : (long long)s * a.n / a.S;
+    const long long e1 = a.i32 ? (long long)((unsigned)((s + 1) * a.n) / (unsigned)a.S) : (long long)(s + 1) * a.n / a.S;
     const int32_t *irow = a.idx + (long long)b * a.idx_sb + (long long)kvh * a.idx_sh;
     const char *kb = (const char *)a.k + ESZ * ((long long)kvh * a.k_sh + d0);
     const char *vb = (const char *)a.v + ESZ * ((long long)kvh * a.v_sh + d0);
@@ -459,14 +463,21 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             const long long t = (long long)x * G + i;
             if (t >= len)
                 return false;
-            const long long tp = t / P;
-            slot = (int)(t - tp * P);
+            long long tp;
+            if (a.i32) { /* t < len <= max_pages * P < 2^31 */
+                const unsigned t32 = (unsigned)t, tp32 = a.p_shift >= 0 ? t32 >> a.p_shift : t32 / (unsigned)P;
+                tp = tp32;
+                slot = (int)(t32 - tp32 * (unsigned)P);
+            } else {
+                tp = t / P;
+                slot = (int)(t - tp * P);
+            }
             pg = __ldg(btrow + tp);
             return true;
         }
         if ((long long)x >= len)
             return false;
-        pg = (int)((unsigned)x / (unsigned)P);
+        pg = (int)(a.p_shift >= 0 ? (unsigned)x >> a.p_shift : (unsigned)x / (unsigned)P);
         slot = (int)((unsigned)x - (unsigned)pg * (unsigned)P);
         return true;
     };
@@ -591,8 +602,15 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             if (vv < ntok) {
                 long long e = vv;
                 if (G != 1) {
-                    e = vv / G;
-                    i = (int)(vv - e * G);
+                    if (a.i32) { /* vv < ntok <= n * G < 2^31 */
+                        const unsigned v32 = (unsigned)vv;
+                        const unsigned e32 = a.g_shift >= 0 ? v32 >> a.g_shift : v32 / (unsigned)G;
+                        e = e32;
+                        i = (int)(v32 - e32 * (unsigned)G);
+                    } else {
+                        e = vv / G;
+                        i = (int)(vv - e * G);
+                    }
                 }
                 x = __ldg(irow + e0 + e);
             }
