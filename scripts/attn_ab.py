@@ -5,7 +5,10 @@ bench_attention's B=1 table plus B=8 4K, B=64 2K and prr.repair of 1 and 8 block
 flush, call] minus a graph of 10 x [flush]). µs per call, medians. `gpu_check.sh attnab` runs it for
 the installed library and for each library carried as build/ab_NAME.so.xz, interleaved.
 
-    python scripts/attn_ab.py [--json PATH] [--only NAME,NAME]"""
+    python scripts/attn_ab.py [--json PATH] [--only NAME,NAME] [--hnd]
+
+--hnd: the caches stored head-major ([pages, Hkv, P, D], vLLM's HND) and passed as the permuted view
+[pages, P, Hkv, D] (no copy), so that a KV head's block is one contiguous 16 KiB run."""
 import argparse
 import json
 import math
@@ -24,6 +27,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--hnd", action="store_true", help="head-major caches (a permuted view)")
     a = ap.parse_args()
     import torch
     import gvr
@@ -37,8 +41,12 @@ def main():
 
     def cache(rows, ctx):
         pages = rows * ctx // P
-        k = torch.randn(pages, P, HKV, D, generator=g, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(pages, P, HKV, D, generator=g, device=dev, dtype=torch.bfloat16)
+        if a.hnd:
+            k = torch.randn(pages, HKV, P, D, generator=g, device=dev, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+            v = torch.randn(pages, HKV, P, D, generator=g, device=dev, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+        else:
+            k = torch.randn(pages, P, HKV, D, generator=g, device=dev, dtype=torch.bfloat16)
+            v = torch.randn(pages, P, HKV, D, generator=g, device=dev, dtype=torch.bfloat16)
         bt = torch.randperm(pages, generator=g, device=dev).int().view(rows, ctx // P)
         return k, v, bt
 

@@ -35,7 +35,7 @@
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 4K, 8K tokens)
-#   floor    scripts/latency_floor.py: minimal kernels of the B=1 1K cell's grid and memory chain vs gvr (CuPy)
+#   floor    scripts/latency_floor.py: minimal kernels of the B=1 cells' grids and memory chains vs gvr (CuPy)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
 #            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
 # The build runs once per machine and source state (a stamp in /tmp); GVR_CUDA_ARCHS defaults to 90a.
@@ -376,9 +376,9 @@ ncu_b1() {  # Nsight Compute on the B=1 cells of 1K, 4K and 8K tokens (NCU_TOKEN
   done
 }
 
-floor() {  # the B=1 1K attention cell's floor: empty / load-chain / chain + merge kernels beside gvr
-  say "latency floor (B=1, 1K tokens)"
-  (cd /tmp && timeout 200 $PY "$ROOT/scripts/latency_floor.py" --json "$OUT/latency_floor.json") 2>&1 | tee "$OUT/latency_floor.log" | tail -8
+floor() {  # the B=1 attention cells' floors: empty / load-chain / chain + merge kernels beside gvr
+  say "latency floor (B=1 cells)"
+  (cd /tmp && timeout 400 $PY "$ROOT/scripts/latency_floor.py" --json "$OUT/latency_floor.json") 2>&1 | tee "$OUT/latency_floor.log" | tail -10
 }
 
 build
