@@ -166,6 +166,9 @@ _torch = None  # the torch module once gvr has seen it imported (never imported 
 
 
 def _torch_module():
+    """torch, from gvr's own reference once set (always, before anything is traced: compiling() is False until
+    then), so that traced code never looks into sys.modules -- dynamo would wrap that dict and iterate it, and a
+    lazy import meanwhile raises "dictionary changed size during iteration" (seen under torch.compile)"""
     global _torch
     if _torch is None:
         _torch = sys.modules["torch"]

@@ -43,13 +43,12 @@ the C and CUDA paths give the same bits.
 from __future__ import annotations
 
 import itertools
-import sys
 from numbers import Real
 
 import numpy as np
 
 from . import _C
-from ._interop import compiling, define_op, framework, prepare
+from ._interop import _torch_module, compiling, define_op, framework, prepare
 from .topk import topk_decode
 
 __all__ = ["EMAPredictor", "calibrate", "calibration_hit_rates", "DEFAULT_GRID"]
@@ -346,7 +345,7 @@ class EMAPredictor:
         H = self.Hkv
         if out is None:
             if _is_torch(nblocks):
-                out = sys.modules["torch"].empty((B, H, k), dtype=sys.modules["torch"].int32, device=nblocks.device)
+                out = _torch_module().empty((B, H, k), dtype=_torch_module().int32, device=nblocks.device)
             else:
                 out = np.empty((B, H, k), np.int32)
         else:
@@ -466,7 +465,7 @@ def calibration_hit_rates(prefill_scores, k: int, *, grid=None, stream=None):
     if shape is None:
         raise TypeError(f"'prefill_scores' must be a float32 array [T, Nb], got {type(prefill_scores).__name__}")
     if _is_torch(prefill_scores) and prefill_scores.is_cuda:
-        t = sys.modules["torch"]
+        t = _torch_module()
         dev = prefill_scores.device
         grid_t = t.tensor(points, dtype=t.float32, device=dev)
         hit = t.empty(G, dtype=t.float64, device=dev)

@@ -14,10 +14,9 @@ csrc/cpu/prr_select_cpu.c, kernels/prr/select.cu). Semantics in full: kernels/gv
 """
 from __future__ import annotations
 
-import sys
 
 from . import _C
-from ._interop import compiling, define_op, framework, prepare
+from ._interop import _torch_module, compiling, define_op, framework, prepare
 from .attention import _check_traced_stream, _new, _shape
 from .topk import topk_decode
 
@@ -149,7 +148,7 @@ def _update_fake(meta, k_cache, block_table, start, end, block_size):
 
 
 def _scores_impl(q, meta, lengths, block_size, group_reduce, keep_first, keep_last):
-    t = sys.modules["torch"]
+    t = _torch_module()
     B, Hkv, Nb = meta.shape[:3]
     scores = t.empty((B, Hkv, Nb), dtype=t.float32, device=q.device)
     counts = t.empty((B, Hkv), dtype=t.int32, device=q.device)
@@ -158,14 +157,14 @@ def _scores_impl(q, meta, lengths, block_size, group_reduce, keep_first, keep_la
 
 
 def _scores_fake(q, meta, lengths, block_size, group_reduce, keep_first, keep_last):
-    t = sys.modules["torch"]
+    t = _torch_module()
     B, Hkv, Nb = meta.shape[:3]
     return q.new_empty((B, Hkv, Nb), dtype=t.float32), q.new_empty((B, Hkv), dtype=t.int32)
 
 
 def _select_scores_impl(q, meta, lengths, block_size, group_reduce, keep_first, keep_last):
     """select_blocks' scores with scores_out: (scores, counts, the scores before the keep ranges), one pass."""
-    t = sys.modules["torch"]
+    t = _torch_module()
     B, Hkv, Nb = meta.shape[:3]
     scores = t.empty((B, Hkv, Nb), dtype=t.float32, device=q.device)
     counts = t.empty((B, Hkv), dtype=t.int32, device=q.device)
@@ -175,7 +174,7 @@ def _select_scores_impl(q, meta, lengths, block_size, group_reduce, keep_first, 
 
 
 def _select_scores_fake(q, meta, lengths, block_size, group_reduce, keep_first, keep_last):
-    t = sys.modules["torch"]
+    t = _torch_module()
     B, Hkv, Nb = meta.shape[:3]
     return (q.new_empty((B, Hkv, Nb), dtype=t.float32), q.new_empty((B, Hkv), dtype=t.int32),
             q.new_empty((B, Hkv, Nb), dtype=t.float32))
@@ -315,7 +314,7 @@ def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", i
 def _check_traced_scores_out(x, shape):
     """select_blocks' scores_out under torch.compile, checked as gvr._C checks it in eager calls (a
     copy_ would convert a wrong dtype and broadcast a wrong shape silently)."""
-    t = sys.modules["torch"]
+    t = _torch_module()
     if not isinstance(x, t.Tensor):
         raise TypeError(f"'scores_out' must be a torch tensor under torch.compile, got {type(x).__name__}")
     if x.dtype != t.float32:

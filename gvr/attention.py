@@ -6,10 +6,9 @@ kernels/attention/)."""
 from __future__ import annotations
 
 import math
-import sys
 
 from . import _C
-from ._interop import compiling, define_op, framework, is_cuda, prepare, stream_handle
+from ._interop import _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle
 
 __all__ = ["sparse_attention", "merge_states", "merge_states_in_place"]
 
@@ -28,7 +27,7 @@ def _new(like, fw, shape, dtype):
     if shape is None:
         return None
     if fw == "torch":
-        t = sys.modules["torch"]
+        t = _torch_module()
         return t.empty(shape, dtype=like.dtype if dtype is None else getattr(t, dtype), device=like.device)
     if fw == "cupy":
         import cupy
@@ -51,7 +50,7 @@ _CAPTURED: list = []
 
 def _capturing(fw):
     if fw == "torch":
-        return sys.modules["torch"].cuda.is_current_stream_capturing()
+        return _torch_module().cuda.is_current_stream_capturing()
     import cupy
 
     return cupy.cuda.get_current_stream().is_capturing()
@@ -59,7 +58,7 @@ def _capturing(fw):
 
 def _zeros(like, fw, nbytes):
     if fw == "torch":
-        t = sys.modules["torch"]
+        t = _torch_module()
         return t.zeros(nbytes, dtype=t.uint8, device=like.device)
     import cupy
 
@@ -103,7 +102,7 @@ def cached_workspace(cache, like, fw, dev, stream, need):
 def _stream_for(q, fw, stream):
     stream = stream_handle(stream)
     if stream is None and fw == "torch":
-        return sys.modules["torch"].cuda.current_stream(q.device).cuda_stream
+        return _torch_module().cuda.current_stream(q.device).cuda_stream
     if stream is None and fw == "cupy":
         import cupy
 
@@ -149,7 +148,7 @@ def _att_impl(q, k_cache, v_cache, indices, lengths, block_table, block_size, sc
 
 
 def _att_fake(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale, v_scale):
-    t = sys.modules["torch"]
+    t = _torch_module()
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=t.float32)
 
 
@@ -188,7 +187,7 @@ def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, s
         if out is None:
             out = q.new_empty(q.shape)
         if lse is None:
-            lse = q.new_empty(q.shape[:2], dtype=sys.modules["torch"].float32)
+            lse = q.new_empty(q.shape[:2], dtype=_torch_module().float32)
         po, pl = partials if partials is not None else (None, None)
         _att_out_op.call(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale, v_scale,
                          out, lse, po, pl, accumulate, exclude, counts, cast_out)

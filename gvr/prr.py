@@ -32,10 +32,9 @@ tensors, on the caller's stream, in one launch, graph-safe.
 """
 from __future__ import annotations
 
-import sys
 
 from . import _C
-from ._interop import compiling, define_op, framework, prepare
+from ._interop import _torch_module, compiling, define_op, framework, prepare
 from .attention import _ATT, _check_traced_stream, _new, _none, _shape
 from .attention import repair as _repair
 from ._prr_ema import DEFAULT_GRID, EMAPredictor, calibrate, calibration_hit_rates  # noqa: F401
@@ -174,7 +173,7 @@ def _finalize_impl(part_out, part_lse, predicted, selected):
 
 
 def _finalize_fake(part_out, part_lse, predicted, selected):
-    t = sys.modules["torch"]
+    t = _torch_module()
     B, Hq, _, D = part_out.shape
     return part_out.new_empty((B, Hq, D), dtype=t.float32), part_out.new_empty((B, Hq), dtype=t.float32)
 

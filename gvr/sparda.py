@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from . import _C
-from ._interop import _host_view, compiling, define_op, framework, is_cuda, prepare, stream_handle
+from . import _C, _interop
+from ._interop import _host_view, _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle
 from .attention import _check_traced_stream, _new, _stream_for, cached_workspace
 
 __all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys", "HostKVCache", "prefetch",
@@ -20,7 +20,9 @@ __all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_com
 
 
 def _torch():
-    t = sys.modules.get("torch")
+    # gvr's own reference first: traced code (torch.compile of the loss) must not look into sys.modules, which
+    # dynamo would wrap as a dict and iterate (a lazy import meanwhile raises "dictionary changed size")
+    t = _interop._torch or sys.modules.get("torch")
     if t is None:
         try:
             import torch as t
@@ -225,9 +227,8 @@ def _ckeys_impl(k_cache, block_table, lengths, kernel, stride):
 
 def _is_e4m3(x):
     """whether x holds fp8 e4m3fn values: torch.float8_e4m3fn, or NumPy's ml_dtypes.float8_e4m3fn"""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return x.dtype == getattr(torch, "float8_e4m3fn", None)
+    if type(x).__module__.startswith("torch"):
+        return x.dtype == getattr(_torch_module(), "float8_e4m3fn", None)
     return getattr(getattr(x, "dtype", None), "name", None) == "float8_e4m3fn"
 
 
@@ -242,7 +243,7 @@ def _ckeys_dtype(k_cache):
 def _ckeys_fake(k_cache, block_table, lengths, kernel, stride):
     dt = _ckeys_dtype(k_cache)
     shape = _ckeys_shape(k_cache, block_table, kernel, stride)
-    return k_cache.new_empty(shape) if dt is None else k_cache.new_empty(shape, dtype=getattr(sys.modules["torch"], dt))
+    return k_cache.new_empty(shape) if dt is None else k_cache.new_empty(shape, dtype=getattr(_torch_module(), dt))
 
 
 def _ckeys_update_impl(ktilde, k_cache, block_table, start, end, kernel, stride):

@@ -3,10 +3,9 @@ stream) and its torch.library ops ``gvr::topk_decode`` and ``gvr::topk_decode_ou
 Validation and computation happen in gvr._C."""
 from __future__ import annotations
 
-import sys
 
 from . import _C
-from ._interop import compiling, define_op, empty, framework, prepare
+from ._interop import _torch_module, compiling, define_op, empty, framework, prepare
 
 __all__ = ["topk_decode"]
 
@@ -65,7 +64,7 @@ def _fake(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n
         shape = (row_starts.shape[0], k)
     else:
         shape = (k,) if scores.dim() == 1 else (scores.shape[0], k)
-    return scores.new_empty(shape, dtype=sys.modules["torch"].int32)
+    return scores.new_empty(shape, dtype=_torch_module().int32)
 
 
 def _impl_out(scores, k, prev_topk, lengths, out, sorted, method, row_starts=None, next_n=1, max_length=None):
@@ -87,7 +86,7 @@ _op_out = define_op("topk_decode_out", f"({_ARGS}, Tensor(a!) out, bool sorted, 
 def _impl_pt(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts=None, next_n=1,
              max_length=None):
     pos = _fake(scores, k, prev_topk, lengths, sorted, method, row_starts, next_n)
-    pos = sys.modules["torch"].empty_like(pos)
+    pos = _torch_module().empty_like(pos)
     slots = _eager(scores, k, prev_topk, lengths, None, sorted, None, method, block_table, page_size, pos,
                    row_starts, next_n, max_length)
     return slots, pos

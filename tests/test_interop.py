@@ -260,3 +260,57 @@ def test_compile_cuda_inside_a_stream():
 def test_gpu_reason_is_stated():
     why = gpu_skip_reason()
     assert why is None or why.startswith("needs a CUDA device: ")
+
+
+def test_traced_calls_survive_imports_on_another_thread():
+    """Traced gvr code must not read sys.modules: dynamo wraps that dict as a variable and iterates it, and an
+    import on another thread meanwhile (inductor's compile workers import) raised "dictionary changed size
+    during iteration" (the GPU suite, 2026-11-24). A thread adds and removes modules while the traces run."""
+    import threading
+    import types
+
+    from gvr import prr
+
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, D, P, pages = 2, 4, 2, 16, 8, 6
+    q = torch.from_numpy(rng.standard_normal((B, Hq, D)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((pages, P, Hkv, D)).astype(np.float32))
+    v = torch.from_numpy(rng.standard_normal((pages, P, Hkv, D)).astype(np.float32))
+    idx = torch.from_numpy(rng.integers(0, pages * P, (B, 1, 5)).astype(np.int32))
+    bt = torch.arange(pages, dtype=torch.int32).view(1, pages).repeat(B, 1)
+    ln = torch.tensor([pages * P, pages * P - 3], dtype=torch.int32)
+    meta = prr.block_metadata(k, bt, ln, block_size=P)
+
+    def attend(q, k, v, idx, out):  # out given, lse not: the traced path makes lse itself
+        return gvr.sparse_attention(q, k, v, idx, out=out)
+
+    def select(q, meta, ln, so):  # scores_out: checked in the traced code
+        return prr.select_blocks(q, meta, 2, ln, block_size=P, scores_out=so)
+
+    want_a = gvr.sparse_attention(q, k, v, idx, out=torch.empty(B, Hq, D))
+    so_e = torch.empty(B, Hkv, pages)
+    want_s = prr.select_blocks(q, meta, 2, ln, block_size=P, scores_out=so_e)
+    stop = threading.Event()
+
+    def churn():  # the number of modules keeps changing: grows to 500 extra, shrinks back, again
+        names = [f"_gvr_test_churn_{i}" for i in range(500)]
+        while not stop.is_set():
+            for name in names:
+                sys.modules[name] = types.ModuleType(name)
+            for name in names:
+                sys.modules.pop(name, None)
+
+    th = threading.Thread(target=churn, daemon=True)
+    th.start()
+    try:
+        for _ in range(3):
+            torch._dynamo.reset()
+            got_a = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v, idx, torch.empty(B, Hq, D))
+            torch._dynamo.reset()
+            so_c = torch.empty(B, Hkv, pages)
+            got_s = torch.compile(select, fullgraph=True, backend="eager")(q, meta, ln, so_c)
+            assert torch.equal(got_a[0], want_a[0]) and torch.equal(got_a[1], want_a[1])
+            assert torch.equal(got_s, want_s) and torch.equal(so_c, so_e)
+    finally:
+        stop.set()
+        th.join()
