@@ -227,8 +227,9 @@ def _ckeys_impl(k_cache, block_table, lengths, kernel, stride):
 
 def _is_e4m3(x):
     """whether x holds fp8 e4m3fn values: torch.float8_e4m3fn, or NumPy's ml_dtypes.float8_e4m3fn"""
-    if type(x).__module__.startswith("torch"):
-        return x.dtype == getattr(_torch_module(), "float8_e4m3fn", None)
+    t = _interop._torch or sys.modules.get("torch")  # (gvr's reference first: no sys.modules in traced code)
+    if t is not None and isinstance(x, t.Tensor):
+        return x.dtype == getattr(t, "float8_e4m3fn", None)
     return getattr(getattr(x, "dtype", None), "name", None) == "float8_e4m3fn"
 
 
