@@ -179,6 +179,11 @@ def _torch_module():
     return _torch
 
 
+def torch_if_loaded():
+    """torch if it is imported, else None -- gvr's own reference first (traced code never reads sys.modules)"""
+    return _torch if _torch is not None else sys.modules.get("torch")
+
+
 def compiling() -> bool:
     """True while torch.compile (or torch.export) traces the caller; False without torch (~90 ns
     with torch loaded)."""

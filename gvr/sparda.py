@@ -9,10 +9,11 @@ memory, ``HostKVCache``, ``prefetch`` of the selected blocks into a GPU staging 
 """
 from __future__ import annotations
 
-import sys
 
-from . import _C, _interop
-from ._interop import _host_view, _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle
+from . import _C
+from ._interop import (
+    _host_view, _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle, torch_if_loaded,
+)
 from .attention import _check_traced_stream, _new, _stream_for, cached_workspace
 
 __all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_compressed_keys", "HostKVCache", "prefetch",
@@ -20,9 +21,7 @@ __all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_com
 
 
 def _torch():
-    # gvr's own reference first: traced code (torch.compile of the loss) must not look into sys.modules, which
-    # dynamo would wrap as a dict and iterate (a lazy import meanwhile raises "dictionary changed size")
-    t = _interop._torch or sys.modules.get("torch")
+    t = torch_if_loaded()  # (not sys.modules: traced code, torch.compile of the loss, must not read it)
     if t is None:
         try:
             import torch as t
@@ -227,7 +226,7 @@ def _ckeys_impl(k_cache, block_table, lengths, kernel, stride):
 
 def _is_e4m3(x):
     """whether x holds fp8 e4m3fn values: torch.float8_e4m3fn, or NumPy's ml_dtypes.float8_e4m3fn"""
-    t = _interop._torch or sys.modules.get("torch")  # (gvr's reference first: no sys.modules in traced code)
+    t = torch_if_loaded()
     if t is not None and isinstance(x, t.Tensor):
         return x.dtype == getattr(t, "float8_e4m3fn", None)
     return getattr(getattr(x, "dtype", None), "name", None) == "float8_e4m3fn"
@@ -303,7 +302,7 @@ _METHODS = {"auto": 0, "kernel": 1, "memcpy": 2, "tma": 3}
 
 
 def _torch_dtype(dtype):
-    t = sys.modules.get("torch")
+    t = torch_if_loaded()
     return t is not None and isinstance(dtype, t.dtype)
 
 
@@ -357,7 +356,7 @@ class HostKVCache:
 
     @staticmethod
     def _set_device(i):
-        t = sys.modules.get("torch")
+        t = torch_if_loaded()
         if t is not None and t.cuda.is_available():
             t.cuda.set_device(i)
 
