@@ -9,7 +9,6 @@ memory, ``HostKVCache``, ``prefetch`` of the selected blocks into a GPU staging 
 """
 from __future__ import annotations
 
-
 from . import _C
 from ._interop import (
     _host_view, _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle, torch_if_loaded,
