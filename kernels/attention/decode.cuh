@@ -278,6 +278,20 @@ __device__ __forceinline__ float4 load4f(const float *p, bool vec)
     return make_float4(p[0], p[1], p[2], p[3]);
 }
 
+/* x / d and x - (x / d) d for x >= 0, d > 0: 32-bit (a shift when d = 2^sh, sh >= 0) when narrow (x < 2^31
+ * and the quotient times d too), else 64-bit (a long call) */
+__device__ __forceinline__ long long divmod(long long x, int d, int sh, bool narrow, int &rem)
+{
+    if (narrow) {
+        const unsigned x32 = (unsigned)x, q = sh >= 0 ? x32 >> sh : x32 / (unsigned)d;
+        rem = (int)(x32 - q * (unsigned)d);
+        return q;
+    }
+    const long long q = x / d;
+    rem = (int)(x - q * d);
+    return q;
+}
+
 __device__ __forceinline__ float4 fma4(float w, float4 x, float4 acc)
 {
     return make_float4(fmaf(w, x.x, acc.x), fmaf(w, x.y, acc.y), fmaf(w, x.z, acc.z), fmaf(w, x.w, acc.w));
@@ -413,9 +427,10 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
         }
     };
 
-    /* this split's entries [e0, e1) (32-bit divisions when they fit: a 64-bit one is a long call) */
-    const long long e0 = a.i32 ? (long long)((unsigned)(s * a.n) / (unsigned)a.S) : (long long)s * a.n / a.S;
-    const long long e1 = a.i32 ? (long long)((unsigned)((s + 1) * a.n) / (unsigned)a.S) : (long long)(s + 1) * a.n / a.S;
+    /* this split's entries [e0, e1) */
+    int unused;
+    const long long e0 = divmod((long long)s * a.n, a.S, -1, a.i32, unused);
+    const long long e1 = divmod((long long)(s + 1) * a.n, a.S, -1, a.i32, unused);
     const int32_t *irow = a.idx + (long long)b * a.idx_sb + (long long)kvh * a.idx_sh;
     const char *kb = (const char *)a.k + ESZ * ((long long)kvh * a.k_sh + d0);
     const char *vb = (const char *)a.v + ESZ * ((long long)kvh * a.v_sh + d0);
@@ -463,22 +478,12 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             const long long t = (long long)x * G + i;
             if (t >= len)
                 return false;
-            long long tp;
-            if (a.i32) { /* t < len <= max_pages * P < 2^31 */
-                const unsigned t32 = (unsigned)t, tp32 = a.p_shift >= 0 ? t32 >> a.p_shift : t32 / (unsigned)P;
-                tp = tp32;
-                slot = (int)(t32 - tp32 * (unsigned)P);
-            } else {
-                tp = t / P;
-                slot = (int)(t - tp * P);
-            }
-            pg = __ldg(btrow + tp);
+            pg = __ldg(btrow + divmod(t, P, a.p_shift, a.i32, slot)); /* i32: t < len <= max_pages * P < 2^31 */
             return true;
         }
         if ((long long)x >= len)
             return false;
-        pg = (int)(a.p_shift >= 0 ? (unsigned)x >> a.p_shift : (unsigned)x / (unsigned)P);
-        slot = (int)((unsigned)x - (unsigned)pg * (unsigned)P);
+        pg = (int)divmod(x, P, a.p_shift, true, slot); /* 0 <= x < len < 2^31 */
         return true;
     };
     auto resolve_finish = [&](bool ok, int pg, int slot, long long &ko, long long &vo) -> bool {
@@ -600,18 +605,7 @@ __global__ void __launch_bounds__(THREADS, detail::min_ctas(HC)) gvr_attention_d
             x = -1;
             i = 0;
             if (vv < ntok) {
-                long long e = vv;
-                if (G != 1) {
-                    if (a.i32) { /* vv < ntok <= n * G < 2^31 */
-                        const unsigned v32 = (unsigned)vv;
-                        const unsigned e32 = a.g_shift >= 0 ? v32 >> a.g_shift : v32 / (unsigned)G;
-                        e = e32;
-                        i = (int)(v32 - e32 * (unsigned)G);
-                    } else {
-                        e = vv / G;
-                        i = (int)(vv - e * G);
-                    }
-                }
+                const long long e = G != 1 ? divmod(vv, G, a.g_shift, a.i32, i) : vv; /* i32: vv < n * G < 2^31 */
                 x = __ldg(irow + e0 + e);
             }
         };
