@@ -248,7 +248,23 @@ def main():
         print(f"{'PASS' if ms <= 1.0 else 'FAIL'}  calibration <= 1 ms on the GPU")
         result["calibration_cuda_ms"], result["calibration_cuda_equals_cpu"] = ms, same
         result["bars"].append({"name": "calibration_cuda_le_1ms", "pass": ms <= 1.0})
-        result["steps"] = cuda_steps(gvr, torch, args)
+        result["steps"] = steps = cuda_steps(gvr, torch, args)
+        # the bars of the step table: PRR with EMA >= 1.3x serial at B=1 128K (the better mode), and the
+        # runtime with speculation off (what Budget gives where speculation cannot pay) never slower than
+        # serial (within 2%: graph replays of the same launches differ by that much run to run)
+        fast = [max(c.get("speedup_ema_exact") or 0, c.get("speedup_ema_superset") or 0) for c in steps
+                if c["b"] == 1 and c["context"] == 128 * 1024]
+        ok = bool(fast) and min(fast) >= 1.3
+        print(f"{'PASS' if ok else 'FAIL'}  PRR with EMA >= 1.3x faster than serial at 128K, B=1: "
+              f"{', '.join(f'{x:.2f}x' for x in fast) or 'not measured'}")
+        result["bars"].append({"name": "ema_ge_1_3x_serial_b1_128k", "pass": ok})
+        off = [(c["b"], c["context"], c["us"]["off/exact"] / c["us"]["serial"]) for c in steps
+               if c["us"].get("off/exact") and c["us"].get("serial")]
+        worst = max(off, key=lambda x: x[2]) if off else None
+        ok = worst is not None and worst[2] <= 1.02
+        print(f"{'PASS' if ok else 'FAIL'}  speculation off (budget 0) never slower than serial (within 2%): worst "
+              + (f"B={worst[0]} {H.fmt_n(worst[1])} {worst[2]:.3f}x serial's time" if worst else "not measured"))
+        result["bars"].append({"name": "budget_off_never_slower_than_serial", "pass": ok})
     if args.json:
         H.write_json(args.json, result)
         print(f"# wrote {args.json}")

@@ -23,7 +23,8 @@ One decode step of one layer (``SpeculativeAttention.step``):
    running into whatever the caller does next (a model's other layers), joined by the next step or
    ``join()``.
 
-``budget = 0`` turns speculation off: the step is plain serial attention over ``selected``.
+``budget = 0`` turns speculation off: the step is plain serial attention over ``selected`` -- the same one
+launch as calling ``sparse_attention`` (into ``out`` directly, no float32 state in between).
 The state is kept in float32 (out ``[B, Hq, D]``, lse ``[B, Hq]``) and converted once to q's dtype.
 """
 from __future__ import annotations
@@ -110,7 +111,10 @@ class SpeculativeAttention:
 
     Returns ``(out, lse)``: out ``[B, Hq, D]`` in q's dtype (or written into the given ``out``), lse
     float32 ``[B, Hq]`` (natural log) -- views of the object's buffers, overwritten by the next step.
-    ``state`` is the float32 ``(out, lse)`` state. Exact mode: attention over exactly ``selected``;
+    ``state`` is the float32 ``(out, lse)`` state (budget 0: the step is one ``sparse_attention``
+    launch straight into ``out`` where that takes out's dtype -- q's or float32, q's device -- and
+    ``state``'s out is then left as it was; lse is always the state's). Exact mode: attention over
+    exactly ``selected``;
     superset mode: over the multiset ``predicted`` (entries as listed) + ``missed(selected,
     predicted)``.
 
@@ -250,7 +254,8 @@ class SpeculativeAttention:
 
     @property
     def state(self):
-        """The float32 state (out [max_batch, Hq, D], lse [max_batch, Hq]) of the last step (rows < B)."""
+        """The float32 state (out [max_batch, Hq, D], lse [max_batch, Hq]) of the last step (rows < B); with
+        budget 0 out is written only when the step's out could not take the attention directly."""
         return self._state_out, self._state_lse
 
     @property
@@ -492,10 +497,11 @@ class SpeculativeAttention:
         if speculate and self.mode == "exact":
             partials = (self._part_out[:B], self._part_lse[:B])
 
-        if not speculate:  # serial: attention over the selection
+        if not speculate:  # serial: attention over the selection, one launch straight into out where it can
             selected, scores = self._selection(q, select, B)
-            sparse_attention(q, k_cache, v_cache, selected, out=so, lse=sl, **akw)
-            self._convert(out, so)
+            sparse_attention(q, k_cache, v_cache, selected, out=so if cast is None else out, lse=sl, **akw)
+            if cast is None:
+                self._convert(out, so)
             return out, sl
 
         from .prr import finalize  # gvr.prr imports this module: late import

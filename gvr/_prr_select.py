@@ -88,6 +88,8 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
     _check_blocks(init_blocks, "init_blocks")
     _check_blocks(local_blocks, "local_blocks")
     fw = framework(q)
+    if out is not None and framework(out) != fw:
+        raise TypeError(f"prr.select_blocks: 'out' must be in q's framework ({fw}), got {type(out).__name__}")
     ms = _shape(meta)
     kk = _int(k)
     if ms is None or len(ms) != 5 or kk is None or kk < 0:

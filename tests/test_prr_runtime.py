@@ -256,6 +256,34 @@ def test_deterministic():
                                   y.view(np.uint32) if y.dtype == np.float32 else y)
 
 
+def test_budget_zero_is_one_sparse_attention_into_out():
+    """budget 0: the step is sparse_attention over the selection, written straight into out (the float32
+    state's out untouched); where out's dtype is neither q's nor float32, through the state and converted."""
+    dec = Decode(seed=23)
+    sa = dec.runtime(budget=0.0)
+    sentinel = sa.state[0].copy()
+    for t in range(3):
+        if t:
+            dec.advance()
+        sel = dec.select(dec.q)[0].copy()
+        ro, rl = gvr.sparse_attention(dec.q, dec.K, dec.V, sel, lengths=dec.lengths, block_table=dec.bt,
+                                      block_size=G)
+        out = np.full((dec.B, Hq, D), np.nan, np.float32)
+        o, l = sa.step(dec.q, dec.K, dec.V, dec.bt, dec.lengths, dec.select, out=out)
+        assert o is out
+        assert np.array_equal(out.view(np.uint32), ro.view(np.uint32)), t
+        assert np.array_equal(l.view(np.uint32), rl.view(np.uint32)), t
+        assert np.array_equal(sa.state[0].view(np.uint32), sentinel.view(np.uint32)), t
+        assert sa.last_hit_rate == 0.0
+    # float16 out for float32 q: through the float32 state, then converted
+    out16 = np.full((dec.B, Hq, D), np.nan, np.float16)
+    o, l = sa.step(dec.q, dec.K, dec.V, dec.bt, dec.lengths, dec.select, out=out16)
+    sel = dec.select(dec.q)[0]
+    ro, _ = gvr.sparse_attention(dec.q, dec.K, dec.V, sel, lengths=dec.lengths, block_table=dec.bt, block_size=G)
+    assert o is out16 and np.array_equal(out16, ro.astype(np.float16))
+    assert np.array_equal(sa.state[0][: dec.B].view(np.uint32), ro.view(np.uint32))
+
+
 def test_out_argument_and_dtypes():
     dec = Decode(seed=22)
     sa = dec.runtime()

@@ -108,10 +108,12 @@ def test_cuda_equals_cpu_and_reference(cuda, mode, predictor, budget):
         args = (q, c.K, c.V, idx, cpu.lengths, c.bt, G)
         ro, rl = sparse_attention_ref(*args)
         no, nl = sparse_attention_naive(*args, dtype="bfloat16")
-        so, sl = sa_g.state
-        assert_close(so[: c.B].cpu().numpy(), ro, no, "bfloat16", what=f"step {t} cuda state out")
+        # the float32 states (budget 0: the bfloat16 outs, written straight by one sparse_attention launch)
+        sg = sa_g.state[0][: c.B] if budget > 0 else og.float()
+        sc = sa_c.state[0][: c.B] if budget > 0 else oc.float().numpy()
+        assert_close(sg.cpu().numpy(), ro, no, "bfloat16", what=f"step {t} cuda state out")
         assert_close(lg.cpu().numpy(), rl, nl, "bfloat16", what=f"step {t} cuda lse")
-        assert_close(sa_c.state[0][: c.B], ro, no, "bfloat16", what=f"step {t} cpu state out")
+        assert_close(sc, ro, no, "bfloat16", what=f"step {t} cpu state out")
 
 
 def test_predictions_with_bad_entries(cuda):
@@ -173,6 +175,33 @@ def test_side_stream_and_callers_stream(cuda):
     r, rl = gpu.step(ref, q)
     torch.cuda.synchronize()
     assert torch.equal(bits(o2), bits(r))
+
+
+def test_budget_zero_is_one_sparse_attention_into_out_and_captures(cuda):
+    """budget 0: the step writes sparse_attention over the selection straight into out (bfloat16, bit for bit
+    the plain call, the float32 state's out untouched), eagerly and from a CUDA graph."""
+    c = Case(seed=12)
+    gpu = Side(c, "cuda")
+    sa = c.runtime("cuda", budget=0.0, predictor="last")
+    sentinel = sa.state[0].clone()
+    akw = dict(lengths=gpu.lengths, block_table=gpu.bt, block_size=G)
+    q_static = c.next().cuda()
+    o, l = gpu.step(sa, q_static)  # eager (warm-up too)
+    ro, rl = gvr.sparse_attention(q_static, gpu.K, gpu.V, gpu.select(q_static)[0], **akw)
+    torch.cuda.synchronize()
+    assert o.dtype == torch.bfloat16 and torch.equal(bits(o), bits(ro)) and torch.equal(bits(l), bits(rl))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out_static, lse_static = gpu.step(sa, q_static)
+    for t in range(1, 4):
+        gpu.grow()
+        q_static.copy_(c.next().cuda())
+        g.replay()
+        ro, rl = gvr.sparse_attention(q_static, gpu.K, gpu.V, gpu.select(q_static)[0], **akw)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out_static), bits(ro)), t
+        assert torch.equal(bits(lse_static), bits(rl)), t
+    assert torch.equal(bits(sa.state[0]), bits(sentinel))
 
 
 @pytest.mark.parametrize("mode", ["exact", "superset"])
