@@ -21,6 +21,7 @@ from attention_reference import (
     to_numpy,
 )
 from harness import assert_close, torch_or_none
+from test_attention_gpu import _bits, _t, both, same
 
 torch = torch_or_none()  # None without torch: every test here is then skipped before it runs
 
@@ -33,44 +34,6 @@ DTYPES = ("bfloat16", "float16")
 
 def fp8_case(rng, dtype="bfloat16", **kw):
     return make_case(rng, dtype=dtype, kv_dtype=FP8, **kw)
-
-
-def _t(a, device="cuda"):
-    """A fresh tensor on ``device`` (never a view of ``a``)."""
-    return torch.from_numpy(np.array(a, copy=True, order="C")).to(device)
-
-
-def _bits(x):
-    x = x.detach().contiguous()
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]).cpu()
-
-
-def same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
-
-
-def both(case, *, out_f32=False, what="", **kw):
-    """(CUDA (out, lse), CPU (out, lse)) of the same call; both checked against the reference, the
-    same empty heads and NaN pattern; the fp8 inputs unmodified."""
-    res = []
-    for device in ("cuda", "cpu"):
-        q, k, v, idx, akw = case.args("torch", device)
-        akw.update(kw)
-        if out_f32:
-            akw["out"] = torch.empty(tuple(q.shape), device=device)
-        k0, v0 = _bits(k), _bits(v)
-        o, l = gvr.sparse_attention(q, k, v, idx, **akw)
-        assert o.device.type == device and l.device.type == device and l.dtype == torch.float32
-        assert o.dtype == (torch.float32 if out_f32 else q.dtype)
-        assert torch.equal(_bits(k), k0) and torch.equal(_bits(v), v0), f"{what}: the fp8 cache was modified"
-        res.append((o, l))
-    (go, gl), (co, cl) = res
-    torch.cuda.synchronize()
-    check_state(case, go, gl, what=f"{what} cuda")
-    check_state(case, co, cl, what=f"{what} cpu")
-    assert torch.equal(gl.cpu() == float("-inf"), cl == float("-inf")), f"{what}: CUDA and CPU disagree on empty heads"
-    assert torch.equal(torch.isnan(go.cpu()), torch.isnan(co)) and torch.equal(torch.isnan(gl.cpu()), torch.isnan(cl))
-    return res
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,22 +24,41 @@ NEG_INF = -np.inf
 DTYPES = ("bfloat16", "float16")
 
 
-def both(case, *, out_f32=False, **kw):
-    """(CUDA (out, lse), CPU (out, lse)) of the same call; both checked against the reference."""
+def _bits(x):
+    x = x.detach().contiguous()
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]).cpu()
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _t(a, device="cuda"):
+    """A fresh tensor on ``device`` (never a view of ``a``)."""
+    return torch.from_numpy(np.array(a, copy=True, order="C")).to(device)
+
+
+def both(case, *, out_f32=False, what="", **kw):
+    """(CUDA (out, lse), CPU (out, lse)) of the same call; both checked against the reference, the
+    same empty heads and NaN pattern; the caches unmodified. (test_attention_fp8_gpu.py uses it too.)"""
     res = []
     for device in ("cuda", "cpu"):
         q, k, v, idx, akw = case.args("torch", device)
+        akw.update(kw)
         if out_f32:
-            kw = dict(kw, out=torch.empty(tuple(q.shape), device=device))
-        o, l = gvr.sparse_attention(q, k, v, idx, **akw, **kw)
+            akw["out"] = torch.empty(tuple(q.shape), device=device)
+        k0, v0 = _bits(k), _bits(v)
+        o, l = gvr.sparse_attention(q, k, v, idx, **akw)
         assert o.device.type == device and l.device.type == device and l.dtype == torch.float32
         assert o.dtype == (torch.float32 if out_f32 else q.dtype)
+        assert torch.equal(_bits(k), k0) and torch.equal(_bits(v), v0), f"{what}: the cache was modified"
         res.append((o, l))
     (go, gl), (co, cl) = res
     torch.cuda.synchronize()
-    check_state(case, go, gl, what="cuda")
-    check_state(case, co, cl, what="cpu")
-    assert torch.equal(gl.cpu() == float("-inf"), cl == float("-inf")), "CUDA and CPU disagree on empty heads"
+    check_state(case, go, gl, what=f"{what} cuda")
+    check_state(case, co, cl, what=f"{what} cpu")
+    assert torch.equal(gl.cpu() == float("-inf"), cl == float("-inf")), f"{what}: CUDA and CPU disagree on empty heads"
+    assert torch.equal(torch.isnan(go.cpu()), torch.isnan(co)) and torch.equal(torch.isnan(gl.cpu()), torch.isnan(cl))
     return res
 
 
@@ -155,10 +174,6 @@ def test_empty_rows_and_out_of_range():
 # --------------------------------------------------------------------------------------------------
 # repair, partials, exact mode, missed, merge
 # --------------------------------------------------------------------------------------------------
-
-
-def _t(a, device="cuda"):
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["block_table", "slots"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gvr
-from harness import gpu_skip_reason, torch_or_none
+from harness import torch_or_none
 
 torch = torch_or_none()
 
@@ -157,10 +157,7 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cuda_equals_cpu_updates_and_replays(dtype):
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
+def test_cuda_equals_cpu_updates_and_replays(cuda, dtype):
     K, bt = case(8, num_pages=300, P=64, H=8, D=128, B=3, maxp=96)
     bt[2, 5] = -1
     td = getattr(torch, dtype)
@@ -199,10 +196,7 @@ def _same_or_both_nan(got, want):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cuda_fp8_cache_equals_cpu(dtype):
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
+def test_cuda_fp8_cache_equals_cpu(cuda, dtype):
     K, bt = case(9, num_pages=300, P=64, H=8, D=128, B=3, maxp=96)
     bt[1, 7] = -1
     k8 = _fp8(K)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gvr
-from harness import gpu_skip_reason, torch_or_none
+from harness import torch_or_none
 
 torch = torch_or_none()
 
@@ -81,10 +81,7 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cuda_equals_cpu_and_replays(dtype):
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
+def test_cuda_equals_cpu_and_replays(cuda, dtype):
     F, kt = case(5, D=128)
     lengths = np.array([(kt.shape[2] - 1) * 16 + 32, 200, 10], np.int32)
     want = gvr.sparda.forecast_select(F, kt, 12, lengths=lengths)

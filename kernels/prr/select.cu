@@ -83,29 +83,22 @@ __device__ __forceinline__ uint32_t key8(uint32_t b) { return (b ^ ((b & 0x80u) 
 /* Keys of EB-byte elements, kept in 16-bit lanes (min/max by __vminu2 / __vmaxu2, one instruction each
  * on sm_90; there is no 8-bit SIMD min/max, and __vminu4 expands to a dozen bit operations): a thread's
  * 16-byte chunk is W words of keys -- EB 2: the 4 words as they are; EB 1 (fp8): each word's 4 byte keys
- * spread over 2 words (bytes 0, 1 and 2, 3 zero-extended to 16 bits). fold_min / fold_max fold a raw
+ * spread over 2 words (bytes 0, 1 and 2, 3 zero-extended to 16 bits). fold<false> / fold<true> fold a raw
  * word (index i of the chunk) in; narrow gives raw word i back from the keys; key0: a row's channel 0. */
 template <int EB>
 struct Keys {
     static constexpr int W = EB == 2 ? 4 : 8;
-    static __device__ __forceinline__ void fold_min(uint32_t (&m)[W], int i, uint32_t raw)
+    /* m's lanes of word i: their minimum (MAX false) or maximum with raw's keys */
+    template <bool MAX>
+    static __device__ __forceinline__ void fold(uint32_t (&m)[W], int i, uint32_t raw)
     {
+        auto f = [](uint32_t a, uint32_t b) { return MAX ? __vmaxu2(a, b) : __vminu2(a, b); };
         if constexpr (EB == 2) {
-            m[i] = __vminu2(m[i], key2(raw));
+            m[i] = f(m[i], key2(raw));
         } else {
             const uint32_t k = key4(raw);
-            m[2 * i] = __vminu2(m[2 * i], __byte_perm(k, 0u, 0x4140u));
-            m[2 * i + 1] = __vminu2(m[2 * i + 1], __byte_perm(k, 0u, 0x4342u));
-        }
-    }
-    static __device__ __forceinline__ void fold_max(uint32_t (&m)[W], int i, uint32_t raw)
-    {
-        if constexpr (EB == 2) {
-            m[i] = __vmaxu2(m[i], key2(raw));
-        } else {
-            const uint32_t k = key4(raw);
-            m[2 * i] = __vmaxu2(m[2 * i], __byte_perm(k, 0u, 0x4140u));
-            m[2 * i + 1] = __vmaxu2(m[2 * i + 1], __byte_perm(k, 0u, 0x4342u));
+            m[2 * i] = f(m[2 * i], __byte_perm(k, 0u, 0x4140u));
+            m[2 * i + 1] = f(m[2 * i + 1], __byte_perm(k, 0u, 0x4342u));
         }
     }
     static __device__ __forceinline__ uint32_t narrow(const uint32_t (&m)[W], int i)
@@ -196,8 +189,8 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                             const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
                             for (int i = 0; i < 4; i++) {
-                                K::fold_min(mn, i, w[i]);
-                                K::fold_max(mx, i, w[i]);
+                                K::template fold<false>(mn, i, w[i]);
+                                K::template fold<true>(mx, i, w[i]);
                             }
                         }
                     }
@@ -235,8 +228,8 @@ __global__ void __launch_bounds__(META_THREADS) meta_kernel(gvr_block_meta_param
                             const uint32_t a[4] = {o0.x, o0.y, o0.z, o0.w}, z[4] = {o1.x, o1.y, o1.z, o1.w};
 #pragma unroll
                             for (int i = 0; i < 4; i++) {
-                                K::fold_min(mn, i, a[i]);
-                                K::fold_max(mx, i, z[i]);
+                                K::template fold<false>(mn, i, a[i]);
+                                K::template fold<true>(mx, i, z[i]);
                             }
                         }
                         uint4 w0, w1;
