@@ -28,9 +28,12 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
             eager, 64-token blocks: submit + wait vs prefetch, timed with events
   fp8       the same gathers from an fp8 (e4m3fn) host cache against a bfloat16 one (64-token blocks,
             8..512 blocks; tma and kernel in a graph, memcpy eager): half the bytes, how much of the time
+  pipefp8   the pipeline (no Prefetcher) over fp8 (e4m3fn) host and staging caches, attention with k_scale /
+            v_scale, beside the same run with bfloat16 caches; each with the side streams at the default
+            and at high priority
 Every gather is checked byte for byte against the host pages. While a Prefetcher runs nothing allocates
 and nothing synchronizes the device. Usage: python benchmarks/bench_sparda.py [--json PATH] [--quick]
-[--only prefetcher|shapes|pipeline|fp8]
+[--only prefetcher|shapes|pipeline|fp8|pipefp8]
 """
 import argparse
 import os
@@ -46,9 +49,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer block counts, no pipeline")
-    ap.add_argument("--only", choices=("prefetcher", "shapes", "pipeline", "fp8"), default=None,
-                    help="one section: the eager Prefetcher timing, the gather CTA shapes, the pipelines, or fp8 "
-                         "vs bfloat16 gathers")
+    ap.add_argument("--only", choices=("prefetcher", "shapes", "pipeline", "fp8", "pipefp8"), default=None,
+                    help="one section: the eager Prefetcher timing, the gather CTA shapes, the pipelines, fp8 "
+                         "vs bfloat16 gathers, or the pipelines over fp8 host caches")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import gvr.sparda  # noqa: F401
@@ -64,6 +67,10 @@ def main():
             r = {"header": meta, "shapes": shapes(gvr, torch, timer)}
         elif args.only == "fp8":
             r = {"header": meta, "fp8": fp8_gathers(gvr, torch, timer)}
+        elif args.only == "pipefp8":
+            r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay, prefetcher=False, kv=kv, priority=pr)
+                                               for lay in ("8b", "light") for kv in ("fp8", "bfloat16")
+                                               for pr in (0, -1)]}
         else:
             r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay) for lay in ("8b", "light")]}
         if args.json:
@@ -382,19 +389,26 @@ def fp8_gathers(gvr, torch, timer):
     return out
 
 
-def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
-    """4 layers, 128K tokens, B 1: sync vs async prefetch one layer ahead (module docstring)."""
+def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", priority=0):
+    """4 layers, 128K tokens, B 1: sync vs async prefetch one layer ahead (module docstring); kv: the host
+    cache's and the staging cache's dtype, "bfloat16" or "fp8" (e4m3fn, attention with k_scale / v_scale);
+    priority: the side streams' (torch's: lower is higher; 0 the default, -1 high: the gathers' CTAs take
+    the SMs that the layer's kernels free before the layer's next CTAs do)."""
     L, P, Hq, Hkv, D, k, T = 4, 64, 32, 8, 128, 32, 131072
     pages = T // P
     bf = torch.bfloat16
+    cdt = torch.float8_e4m3fn if kv == "fp8" else bf
+    ks, vs = (0.02, 0.02) if kv == "fp8" else (None, None)  # fp8 values of N(0, 1) / 0.02: the e4m3 range
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(11)
-    cache = gvr.sparda.HostKVCache(L, pages, P, Hkv, D, bf, device="cuda")
+    cache = gvr.sparda.HostKVCache(L, pages, P, Hkv, D, cdt, device="cuda")
     ktil = []
     for l in range(L):
         kd = torch.randn(cache.k(l).shape, device=dev, dtype=bf)
-        cache.k(l).copy_(kd)
-        cache.v(l).copy_(torch.randn(cache.v(l).shape, device=dev, dtype=bf))
+        cache.k(l).copy_(kd if kv != "fp8" else (kd.float() / ks).clamp_(-448, 448).to(cdt))
+        vd = torch.randn(cache.v(l).shape, device=dev, dtype=bf)
+        cache.v(l).copy_(vd if kv != "fp8" else (vd.float() / vs).clamp_(-448, 448).to(cdt))
+        del vd
         # the layer's compressed keys per page, one GQA group (Hsel 1: one selection for every head)
         ktil.append(kd.float().mean(dim=(1, 2)).to(bf).view(1, 1, pages, D))
         del kd
@@ -402,7 +416,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
     nwin = torch.tensor([pages], dtype=torch.int32, device=dev)  # windows of one page each
     block_table = torch.arange(pages, dtype=torch.int32, device=dev).view(1, pages)
     S = 2 * k
-    stage = [(torch.empty((S, P, Hkv, D), dtype=bf, device=dev), torch.empty((S, P, Hkv, D), dtype=bf, device=dev))
+    stage = [(torch.empty((S, P, Hkv, D), dtype=cdt, device=dev), torch.empty((S, P, Hkv, D), dtype=cdt, device=dev))
              for _ in range(L)]
     maps = [[torch.full((1, pages), -1, dtype=torch.int32, device=dev) for _ in range(2)] for _ in range(L)]
     sel = [torch.empty((1, 1, k), dtype=torch.int32, device=dev) for _ in range(L)]
@@ -415,7 +429,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
     Ws = [torch.randn(a, b, dtype=bf, device=dev) for a, b in shapes]
     xs = [torch.randn(1, a, dtype=bf, device=dev) for a, _ in shapes]
     ys = [torch.empty(1, b, dtype=bf, device=dev) for _, b in shapes]
-    side, side2 = torch.cuda.Stream(), torch.cuda.Stream()
+    side, side2 = torch.cuda.Stream(priority=priority), torch.cuda.Stream(priority=priority)
     step_box = [0]
 
     def select(l):
@@ -432,7 +446,8 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
 
     def attend(l):
         cur = maps[l][step_box[0] % 2]
-        gvr.sparse_attention(q, stage[l][0], stage[l][1], sel[l], lengths=lengths, block_table=cur, block_size=P)
+        gvr.sparse_attention(q, stage[l][0], stage[l][1], sel[l], lengths=lengths, block_table=cur, block_size=P,
+                             k_scale=ks, v_scale=vs)
         for W, x, y in zip(Ws, xs, ys):
             torch.matmul(x, W, out=y)
 
@@ -519,7 +534,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
             gvr.sparda.prefetch(cache.k(l), cache.v(l), sel[l], stage[l][0], stage[l][1], block_table=block_table,
                                 resident=prev, slot_map_out=cur, counts=cnt)
             moved.append(int(cnt[0]))
-    r = {"layer": layer, "weights_mb": sum(a * b for a, b in shapes) * 2 / 1e6}
+    r = {"layer": layer, "kv": kv, "priority": priority, "weights_mb": sum(a * b for a, b in shapes) * 2 / 1e6}
     # each variant as a CUDA graph of 2 steps (forecast_select -> prefetch -> attention are graph-safe; the
     # side streams join the capture): device time, no host work in it
     for name, fn in (("sync", step_sync), ("async", step_async), ("async3", step_async3), ("transfer", transfer_only),
@@ -540,7 +555,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True):
     if prefetcher:
         r.update(_pipeline_prefetcher(gvr, torch, L, select, attend, cache, sel, stage, maps, block_table, step_box,
                                       side2, pages, k, S, r))
-    print(f"pipeline 128K x {L} layers ({layer} layer: {r['weights_mb']:.0f} MB of weights), CUDA graphs, per step "
+    print(f"pipeline 128K x {L} layers ({layer} layer: {r['weights_mb']:.0f} MB of weights; {kv} KV; side streams' priority {priority}), CUDA graphs, per step "
           f"(B 1, {k} blocks of {P} tokens per layer, {r['mean_blocks_moved_per_layer']:.1f} moved per layer with "
           f"resident=): sync {r['sync']:.0f} us, async {r['async']:.0f} us, async3 (select alongside) "
           f"{r['async3']:.0f} us" + (f", Prefetcher {r['prefetcher']:.0f} us" if r.get("prefetcher") else "") +

@@ -20,6 +20,7 @@
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
 #   spardafp8  bench_sparda --only fp8 (prefetch from an fp8 host cache vs a bfloat16 one)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
+#   spardapipefp8  bench_sparda --only pipefp8 (the pipelines over fp8 host caches beside bfloat16 ones)
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
@@ -253,6 +254,12 @@ spardafp8() {  # bench_sparda --only fp8: prefetch from an fp8 host cache vs a b
     --json "$OUT/results_sparda_fp8.json") 2>&1 | tee "$OUT/bench_sparda_fp8.log" | tail -12
 }
 
+spardapipefp8() {  # bench_sparda --only pipefp8: the pipelines over fp8 host caches beside bfloat16 ones
+  say "bench_sparda --only pipefp8"
+  (cd /tmp && timeout -k 5 400 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipefp8 \
+    --json "$OUT/results_sparda_pipefp8.json") 2>&1 | tee "$OUT/bench_sparda_pipefp8.log" | tail -16
+}
+
 spardapipe() {  # bench_sparda --only pipeline: both layer stand-ins, every schedule, the Prefetcher's graph
   say "bench_sparda --only pipeline"
   (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeline \
@@ -405,6 +412,7 @@ for mode in "${@:-check}"; do
     sanall) for c in topk attention prr sparda; do sanitize $c; done ;;
     spardapipe) spardapipe ;;
     spardafp8) spardafp8 ;;
+    spardapipefp8) spardapipefp8 ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
     topkquick) topkquick ;;
