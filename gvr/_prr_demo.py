@@ -128,6 +128,10 @@ def main(argv=None) -> int:
                       else np.empty((B, Hkv, k), np.int32)),
                  s_out=(torch.empty((B, Hq, D), dtype=torch.float32, device="cuda") if cuda
                         else np.empty((B, Hq, D), np.float32)),
+                 # the PRR steps' results in float32 too (the state's values: the comparison's tolerance is
+                 # float32's; with budget 0 the step writes only out)
+                 outs={n: (torch.empty((B, Hq, D), dtype=torch.float32, device="cuda") if cuda
+                           else np.empty((B, Hq, D), np.float32)) for n in ("ema", "last")},
                  rho=0.5 if li == 0 else a.persistence,
                  qh=rng.standard_normal((B, Hq, D)).astype(np.float32))
         layers.append(L)
@@ -170,10 +174,10 @@ def main(argv=None) -> int:
                                                 out=L["s_out"])
             sync()
             t2 = time.perf_counter()
-            L["ema"].step(q, K, V, bt, lengths, L["select"])
+            res = {"ema": L["ema"].step(q, K, V, bt, lengths, L["select"], out=L["outs"]["ema"])}
             sync()
             t3 = time.perf_counter()
-            L["last"].step(q, K, V, bt, lengths, L["select_last"])
+            res["last"] = L["last"].step(q, K, V, bt, lengths, L["select_last"], out=L["outs"]["last"])
             t_ser += t2 - t1
             t_prr += t3 - t2
             ro, rl = host(ref_o), host(ref_l)
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
                 c = [int(v) for v in (sa.hit_counts.tolist() if cuda else sa.hit_counts)]
                 hits[name][0] += c[0]
                 hits[name][1] += c[1]
-                so, sl = sa.state
+                so, sl = res[name]
                 go, gl = host(so[:B]), host(sl[:B])
                 tol_o = 1e-4 * max(1.0, float(np.abs(ro).max()))
                 fin = np.isfinite(rl)

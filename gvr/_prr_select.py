@@ -88,8 +88,10 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
     _check_blocks(init_blocks, "init_blocks")
     _check_blocks(local_blocks, "local_blocks")
     fw = framework(q)
-    if out is not None and framework(out) != fw:
-        raise TypeError(f"prr.select_blocks: 'out' must be in q's framework ({fw}), got {type(out).__name__}")
+    ofw = fw if out is None else framework(out)
+    if ofw != fw and not _contiguous(out, ofw):  # (a contiguous one is written directly, as topk_decode takes it)
+        raise TypeError(f"prr.select_blocks: a non-contiguous 'out' must be in q's framework ({fw}), got "
+                        f"{type(out).__name__}")
     ms = _shape(meta)
     kk = _int(k)
     if ms is None or len(ms) != 5 or kk is None or kk < 0:
@@ -99,12 +101,19 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
         topk_decode(_new(q, fw, (1, 1), "float32"), k)
         raise TypeError("prr.select_blocks: 'meta' must be [B, Hkv, Nb, 2, D] and 'k' an int >= 0")
     B, Hkv, Nb = ms[:3]
+    if out is not None:  # named before anything is written (scores_out included)
+        osh = _shape(out)
+        if osh is None:
+            raise TypeError(f"prr.select_blocks: 'out' must be an int32 array [B, Hkv, k], got {type(out).__name__}")
+        if tuple(osh) != (B, Hkv, kk):
+            raise ValueError(f"prr.select_blocks: 'out' must have shape [B, Hkv, k] = [{B}, {Hkv}, {kk}], got "
+                             f"{list(osh)}")
     scores = _new(q, fw, (B, Hkv, Nb), "float32")
     counts = _new(q, fw, (B, Hkv), "int32")
     _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, scores, counts, stream,
                 scores_out)
     res = out
-    if res is None or not _contiguous(res, fw):
+    if res is None or not _contiguous(res, ofw):
         res = _new(q, fw, (B, Hkv, kk), "int32")
     topk_decode(scores.reshape(B * Hkv, Nb), kk, lengths=counts.reshape(B * Hkv), out=res.reshape(B * Hkv, kk),
                 sorted=sorted, stream=stream)

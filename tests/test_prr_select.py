@@ -580,13 +580,22 @@ def test_bad_inputs_are_named_and_nothing_is_modified():
     _raises(TypeError, "k", sb, q, meta, 1.5, ln, block_size=8)
     _raises(ValueError, "init_blocks", sb, q, meta, 2, ln, block_size=8, init_blocks=-2)
     _raises(TypeError, "local_blocks", sb, q, meta, 2, ln, block_size=8, local_blocks="2")
-    if torch is not None:  # out in another framework than q's (before anything is written)
+    so = np.full((2, 2, c.shape["Nb"]), 7, np.float32)
+    for o in (np.zeros((2, 2, 3), np.int32), np.zeros((2, 4), np.int32), np.zeros((1, 2, 2), np.int32)):
+        _raises(ValueError, "out", sb, q, meta, 2, ln, block_size=8, out=o, scores_out=so)
+    _raises(TypeError, "out", sb, q, meta, 2, ln, block_size=8, out=[[0, 1]], scores_out=so)
+    assert np.all(so == 7)
+    if torch is not None:  # out in another framework than q's: written directly if contiguous, else named
         so = np.full((2, 2, c.shape["Nb"]), 7, np.float32)
-        _raises(TypeError, "out", sb, torch.from_numpy(q), torch.from_numpy(meta), 2, torch.from_numpy(ln),
-                block_size=8, out=np.zeros((2, 2, 2), np.int32))
-        _raises(TypeError, "out", sb, q, meta, 2, ln, block_size=8, out=torch.zeros((2, 2, 2), dtype=torch.int32),
-                scores_out=so)
-        assert np.all(so == 7)
+        _raises(TypeError, "out", sb, q, meta, 2, ln, block_size=8,
+                out=torch.zeros((2, 2, 4), dtype=torch.int32)[..., ::2], scores_out=so)
+        assert np.all(so == 7)  # (named before anything is written)
+        want = sb(q, meta, 2, ln, block_size=8)
+        o = np.full((2, 2, 2), -9, np.int32)
+        assert sb(torch.from_numpy(q), torch.from_numpy(meta), 2, torch.from_numpy(ln), block_size=8, out=o) is o
+        assert np.array_equal(o, want)
+        o = torch.full((2, 2, 2), -9, dtype=torch.int32)
+        assert sb(q, meta, 2, ln, block_size=8, out=o) is o and np.array_equal(o.numpy(), want)
     for a, b in zip(snap, (k, bt, ln, q, meta)):
         assert np.array_equal(bits(a), bits(b))
 
