@@ -19,8 +19,12 @@ Sections:
               with the EMA predictor, exact and superset modes, and with budget 0 (rho=0: no speculation,
               the runtime's overhead over serial); hit rates of the timed replays; exact
               mode checked against serial step by step (eager).
+  layers (--cuda; --only-layers alone) --layers layers (4) stepped in turn, each with its own runtime and
+              query sequence over one shared cache, --steps steps in one graph, time per layer-step: serial
+              vs PRR (EMA superset and exact, last-step superset) with step(join=False), so that a layer's
+              predictor runs while the next layers compute, as in a model; exact mode checked eagerly.
 
-Usage: python benchmarks/bench_prr.py [--quick] [--cuda] [--json PATH]
+Usage: python benchmarks/bench_prr.py [--quick] [--cuda] [--only-layers] [--layers L] [--json PATH]
 """
 import argparse
 import os
@@ -182,6 +186,124 @@ def cuda_steps(gvr, torch, args):
     return cells
 
 
+def cuda_layers(gvr, torch, args):
+    """The multi-layer table: --layers layers (each its own runtime, selection buffers and query sequence; one
+    shared cache and metadata) stepped in turn, --steps steps, one CUDA graph, time per layer-step. PRR steps
+    run with join=False -- each layer's predictor overlaps the layers after it, as in a model (the next step
+    of the same layer waits for it) -- against serial (select_blocks then sparse_attention per layer)."""
+    from gvr import _prr_runtime as R
+    from gvr._prr_budget import paged_decode_case
+    timer = H.CudaTimer(torch, flush_bytes=0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(args.seed + 1)
+    L, S = args.layers, args.steps
+    contexts = (32768, 131072)
+    batches = (1,) if args.quick else (1, 8)
+    cells = []
+    headers = ["persist", "B", "context", "layers", "serial", "ema/sup", "ema/exact", "last/sup", "hit EMA",
+               "hit last", "serial/ema-sup", "serial/ema-exact", "exact diff", "check"]
+    print(f"\n## {L} layers stepped in turn (each its own runtime and query sequence), {S} steps in one CUDA graph, "
+          f"us per layer-step; PRR with join=False (each layer's predictor overlaps the next layers)", flush=True)
+    print(H.format_table(headers, []).split("\n")[0], flush=True)
+    for rho, B, ctx in [(r, b, c) for r in args.persistence for b in batches for c in contexts]:
+        case = paged_decode_case(torch, B, ctx, HQ, HKV, D, P, S, persistence=rho, generator=gen, device=dev,
+                                 dtype=torch.bfloat16)
+        Kc, Vc, bt, lengths, meta = case.K, case.V, case.block_table, case.lengths, case.meta
+        qs = [[q.clone() for q in case.queries]]
+        for _ in range(1, L):  # the other layers' query sequences: the same AR(1) process, fresh draws
+            qf = torch.randn(B, HQ, D, generator=gen, device=dev)
+            seq = []
+            for _ in range(S):
+                qf = rho * qf + (1 - rho * rho) ** 0.5 * torch.randn(B, HQ, D, generator=gen, device=dev)
+                seq.append(qf.to(torch.bfloat16))
+            qs.append(seq)
+        qbuf = [torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+        outs = [torch.empty(B, HQ, D, dtype=torch.bfloat16, device=dev) for _ in range(L)]
+        sel = torch.full((B, HKV, KB), -1, dtype=torch.int32, device=dev)
+        lse = torch.empty(B, HQ, device=dev)
+        akw = dict(block_table=bt, lengths=lengths, block_size=G)
+
+        def serial(i):
+            for l in range(L):
+                qbuf[l].copy_(qs[l][i])
+                gvr.prr.select_blocks(qbuf[l], meta, KB, lengths, block_size=G, out=sel)
+                gvr.sparse_attention(qbuf[l], Kc, Vc, sel, out=outs[l], lse=lse, **akw)
+
+        kinds = {("ema", "superset"), ("ema", "exact"), ("last", "superset")}
+        runtimes = {}
+        for pred, mode in kinds:
+            runtimes[(pred, mode)] = [
+                (R.SpeculativeAttention(B, HQ, HKV, D, ctx // G, block_size=G, k=KB, mode=mode, predictor=pred,
+                                        device=dev, dtype="bfloat16"),
+                 R.quest_select(meta, KB, lengths, block_size=G, sorted=pred == "last")) for _ in range(L)]
+
+        def prr(key):
+            rts = runtimes[key]
+
+            def f(i):
+                for l, (sa, fn) in enumerate(rts):
+                    qbuf[l].copy_(qs[l][i])
+                    sa.step(qbuf[l], Kc, Vc, bt, lengths, fn, out=outs[l], join=False)
+                if i == S - 1:
+                    for sa, _ in rts:
+                        sa.join()
+            return f
+
+        cell = {"b": B, "context": ctx, "layers": L, "steps": S, "persistence": rho, "us": {}, "hit": {}}
+        # exactness: every layer of an eager exact-mode pass (join=False) against serial attention over the
+        # same selection (the selection of the runtime's own callable)
+        worst, tol = 0.0, 0.0
+        rts = runtimes[("ema", "exact")]
+        for i in range(S):
+            for l, (sa, fn) in enumerate(rts):
+                qbuf[l].copy_(qs[l][i])
+                o, _ = sa.step(qbuf[l], Kc, Vc, bt, lengths, fn, out=outs[l], join=False)
+                ref, _ = gvr.sparse_attention(qbuf[l], Kc, Vc, fn.selected[:B], **akw)
+                worst = max(worst, float((o.float() - ref.float()).abs().max()))
+                tol = max(tol, 2 * 2.0 ** -8 * max(1.0, float(ref.float().abs().max())))
+        for sa, _ in rts:
+            sa.join()
+        cell["exact_max_diff"], cell["exact_tolerance"] = worst, tol
+        cell["correct"] = worst <= tol
+
+        def run_all(step_fn):
+            def g():
+                for i in range(S):
+                    step_fn(i)
+            return g
+
+        def timed(name, fn, rts=None):
+            try:
+                for sa, _ in rts or ():
+                    sa.reset_hit_rates()
+                r = timer.graph(run_all(fn), calls=1, replays=args.replays)
+                cell["us"][name] = r["median_us"] / (S * L)
+                if rts:
+                    cell["hit"][name] = float(np.mean([sa.mean_hit_rate for sa, _ in rts]))
+            except Exception as e:  # noqa: BLE001 - a method that does not run is reported
+                cell.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:200]
+                print(f"  ({name}: {cell['errors'][name]})", flush=True)
+                torch.cuda.synchronize()
+
+        timed("serial", serial)
+        for (pred, mode) in sorted(kinds):
+            timed(f"{pred}/{mode}", prr((pred, mode)), runtimes[(pred, mode)])
+        u = cell["us"]
+        cell["speedup_ema_superset"] = H.ratio(u.get("serial"), u.get("ema/superset"))
+        cell["speedup_ema_exact"] = H.ratio(u.get("serial"), u.get("ema/exact"))
+        row = [f"{rho:g}", str(B), H.fmt_n(ctx), str(L), H.fmt_us(u.get("serial")), H.fmt_us(u.get("ema/superset")),
+               H.fmt_us(u.get("ema/exact")), H.fmt_us(u.get("last/superset")),
+               f"{cell['hit'].get('ema/superset', float('nan')):.2f}",
+               f"{cell['hit'].get('last/superset', float('nan')):.2f}", H.fmt_x(cell["speedup_ema_superset"]),
+               H.fmt_x(cell["speedup_ema_exact"]), f"{worst:.1e}", "ok" if cell["correct"] else "FAIL"]
+        print(H.format_table(headers, [row]).split("\n")[-1], flush=True)
+        cells.append(cell)
+        del Kc, Vc, meta, runtimes, case
+        torch.cuda.empty_cache()
+    return cells
+
+
 def cuda_calibration(gvr, torch, reps=5):
     """ms of gvr.prr.calibrate on CUDA at T = 4096, Nb = 2048, k = 64 (host wall, the call returns its result
     on the host), median of reps after one warm-up; and whether it equals the CPU choice."""
@@ -207,10 +329,20 @@ def main():
     ap.add_argument("--persistence", type=float, nargs="+", default=[0.95, 0.99],
                     help="--cuda: AR(1) correlations of the query (one table row set each)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=4, help="--cuda: layers of the multi-layer table (0: no table)")
+    ap.add_argument("--only-layers", action="store_true", help="--cuda: the multi-layer table only")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     head = H.header(root=ROOT)
     print(H.header_line(head))
+    if args.only_layers:
+        import torch
+        head.update(H.header(torch, ROOT, cuda=True))
+        result = {"meta": head, "layers": cuda_layers(gvr, torch, args)}
+        if args.json:
+            H.write_json(args.json, result)
+            print(f"# wrote {args.json}")
+        return
 
     layers, T, Nb, k = (4, 256, 512, 32) if args.quick else (8, 1024, 1024, 64)
     trace = gvr.data.block_score_trace(T, Nb, layers=layers, seed=0)
@@ -265,6 +397,8 @@ def main():
         print(f"{'PASS' if ok else 'FAIL'}  speculation off (budget 0) never slower than serial (within 2%): worst "
               + (f"B={worst[0]} {H.fmt_n(worst[1])} {worst[2]:.3f}x serial's time" if worst else "not measured"))
         result["bars"].append({"name": "budget_off_never_slower_than_serial", "pass": ok})
+        if args.layers > 0:
+            result["layers"] = cuda_layers(gvr, torch, args)
     if args.json:
         H.write_json(args.json, result)
         print(f"# wrote {args.json}")

@@ -9,6 +9,7 @@
 #   attnquick  the attention sanitizer cases and the quick attention benchmark
 #   prrbench benchmarks/bench_prr.py --cuda (PRR step timing, calibration on CUDA)
 #   prrprof  Nsight Compute kernel durations of one serial and one PRR step (CSV)
+#   prrlayers  bench_prr's multi-layer table: PRR (join=False) across 4 layers vs serial, per layer-step
 #   budget   gvr.prr.Budget.profile on this GPU -> $OUT/budget.json
 #   topkpt   topk_decode's page-table transform: GPU tests, top-k sanitizer cases, benchmarks/bench_page_table.py
 #   sparda   issue 14's pieces (compressed keys, forecast_select, prefetch, host cache): GPU tests, sanitizer
@@ -180,6 +181,12 @@ prrbench() {  # issue 13's benchmark with its GPU sections (step timing, calibra
   (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_prr.py" --cuda --json "$OUT/results_prr_cuda.json") \
     > "$OUT/bench_prr_cuda.log" 2>&1
   echo "bench_prr exit $?"; tail -30 "$OUT/bench_prr_cuda.log"
+}
+
+prrlayers() {  # bench_prr's multi-layer table (PRR steps with join=False across 4 layers vs serial)
+  say "bench_prr --cuda --only-layers"
+  (cd /tmp && timeout 400 $PY "$ROOT/benchmarks/bench_prr.py" --cuda --only-layers --json "$OUT/results_prr_layers.json") \
+    2>&1 | tee "$OUT/bench_prr_layers.log" | tail -14
 }
 
 prrprof() {  # the kernels of one serial step and one PRR step (Nsight Compute durations, CSV)
@@ -401,6 +408,7 @@ for mode in "${@:-check}"; do
     floor) floor ;;
     prrbench) prrbench ;;
     prrprof) prrprof ;;
+    prrlayers) prrlayers ;;
     budget) budget ;;
     topkpt) topkpt ;;
     sparda) sparda ;;
