@@ -31,9 +31,12 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
   pipefp8   the pipeline (no Prefetcher) over fp8 (e4m3fn) host and staging caches, attention with k_scale /
             v_scale, beside the same run with bfloat16 caches; each with the side streams at the default
             and at high priority
+  pipeparts the light layer's pipeline (fp8 and bfloat16) with each half of the transfer alone -- the
+            selections without the prefetches, the prefetches without new selections -- in sync, async3
+            and transfer-only schedules (tma): which half stays exposed
 Every gather is checked byte for byte against the host pages. While a Prefetcher runs nothing allocates
 and nothing synchronizes the device. Usage: python benchmarks/bench_sparda.py [--json PATH] [--quick]
-[--only prefetcher|shapes|pipeline|fp8|pipefp8]
+[--only prefetcher|shapes|pipeline|fp8|pipefp8|pipeparts]
 """
 import argparse
 import os
@@ -49,7 +52,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer block counts, no pipeline")
-    ap.add_argument("--only", choices=("prefetcher", "shapes", "pipeline", "fp8", "pipefp8"), default=None,
+    ap.add_argument("--only", choices=("prefetcher", "shapes", "pipeline", "fp8", "pipefp8", "pipeparts"), default=None,
                     help="one section: the eager Prefetcher timing, the gather CTA shapes, the pipelines, fp8 "
                          "vs bfloat16 gathers, or the pipelines over fp8 host caches")
     args = ap.parse_args()
@@ -67,6 +70,9 @@ def main():
             r = {"header": meta, "shapes": shapes(gvr, torch, timer)}
         elif args.only == "fp8":
             r = {"header": meta, "fp8": fp8_gathers(gvr, torch, timer)}
+        elif args.only == "pipeparts":
+            r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, "light", prefetcher=False, kv=kv, parts=True)
+                                               for kv in ("fp8", "bfloat16")]}
         elif args.only == "pipefp8":
             r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay, prefetcher=False, kv=kv, priority=pr)
                                                for lay in ("8b", "light") for kv in ("fp8", "bfloat16")
@@ -389,11 +395,12 @@ def fp8_gathers(gvr, torch, timer):
     return out
 
 
-def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", priority=0):
+def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", priority=0, parts=False):
     """4 layers, 128K tokens, B 1: sync vs async prefetch one layer ahead (module docstring); kv: the host
     cache's and the staging cache's dtype, "bfloat16" or "fp8" (e4m3fn, attention with k_scale / v_scale);
     priority: the side streams' (torch's: lower is higher; 0 the default, -1 high: the gathers' CTAs take
-    the SMs that the layer's kernels free before the layer's next CTAs do)."""
+    the SMs that the layer's kernels free before the layer's next CTAs do); parts: also each half of the
+    transfer alone in the schedules (the selections only, the prefetches only: the other left out)."""
     L, P, Hq, Hkv, D, k, T = 4, 64, 32, 8, 128, 32, 131072
     pages = T // P
     bf = torch.bfloat16
@@ -432,7 +439,13 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
     side, side2 = torch.cuda.Stream(priority=priority), torch.cuda.Stream(priority=priority)
     step_box = [0]
 
+    skip = set()  # "select" / "fetch": left out of every schedule (parts)
+    pool = [[] for _ in range(L)]  # recorded selections that stand in for forecast_select when "select" is left out
+
     def select(l):
+        if "select" in skip:  # a recorded selection (one small copy): the prefetches move what they would
+            sel[l].copy_(pool[l][step_box[0] % len(pool[l])])
+            return
         F[l].mul_(0.9).add_(0.45 * torch.randn_like(F[l]))  # the Forecast drifts step to step
         gvr.sparda.forecast_select(F[l], ktil[l], k, lengths=nwin, kernel=1, stride=1,
                                    init_blocks=1, local_blocks=2, out=sel[l])
@@ -440,6 +453,8 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
     method = ["kernel"]
 
     def fetch(l, stream=None):
+        if "fetch" in skip:
+            return
         cur, prev = maps[l][step_box[0] % 2], maps[l][(step_box[0] + 1) % 2]
         gvr.sparda.prefetch(cache.k(l), cache.v(l), sel[l], stage[l][0], stage[l][1], block_table=block_table,
                             resident=prev, slot_map_out=cur, stream=stream, method=method[0])
@@ -544,6 +559,23 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
     for name, fn in (("sync_tma", step_sync), ("async3_tma", step_async3), ("transfer_tma", transfer_only),
                      ("transfer_ahead_tma", lambda: transfer_only(1))):
         r[name] = timer.graph(fn, 2, 10)["median_us"]
+    if parts:  # which half of the transfer stays exposed: each alone (tma), the other left out
+        for _ in range(6):
+            for l in range(L):
+                select(l)
+                pool[l].append(sel[l].clone())
+        method[0] = "tma"
+        for keep, leave in (("select", "fetch"), ("fetch", "select")):
+            skip.add(leave)
+            t = {n: timer.graph(fn, 2, 10)["median_us"] for n, fn in (("sync", step_sync), ("async3", step_async3),
+                                                                        ("transfer", transfer_only),
+                                                                        ("transfer_ahead", lambda: transfer_only(1)))}
+            t["hidden_ahead_async3"] = (t["sync"] - t["async3"]) / t["transfer_ahead"]
+            r[f"only_{keep}"] = t
+            skip.clear()
+            print(f"  {layer} {kv}, {keep} only (tma): sync {t['sync']:.0f} us, async3 {t['async3']:.0f} us, transfer "
+                  f"{t['transfer']:.0f} us (layers 1-{L - 1}: {t['transfer_ahead']:.0f}) -> hidden "
+                  f"{100 * t['hidden_ahead_async3']:.0f}% of layers 1-{L - 1}'s", flush=True)
     method[0] = "kernel"
     for name in ("async", "async3"):
         r[f"hidden_{name}"] = (r["sync"] - r[name]) / r["transfer"]

@@ -22,6 +22,7 @@
 #   spardafp8  bench_sparda --only fp8 (prefetch from an fp8 host cache vs a bfloat16 one)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   spardapipefp8  bench_sparda --only pipefp8 (the pipelines over fp8 host caches beside bfloat16 ones)
+#   spardaparts  bench_sparda --only pipeparts (the light layer's pipeline with each half of the transfer alone)
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
@@ -267,6 +268,12 @@ spardapipefp8() {  # bench_sparda --only pipefp8: the pipelines over fp8 host ca
     --json "$OUT/results_sparda_pipefp8.json") 2>&1 | tee "$OUT/bench_sparda_pipefp8.log" | tail -16
 }
 
+spardaparts() {  # bench_sparda --only pipeparts: the light layer's pipeline with each half of the transfer alone
+  say "bench_sparda --only pipeparts"
+  (cd /tmp && timeout -k 5 400 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeparts \
+    --json "$OUT/results_sparda_pipeparts.json") 2>&1 | tee "$OUT/bench_sparda_pipeparts.log" | tail -12
+}
+
 spardapipe() {  # bench_sparda --only pipeline: both layer stand-ins, every schedule, the Prefetcher's graph
   say "bench_sparda --only pipeline"
   (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeline \
@@ -421,6 +428,7 @@ for mode in "${@:-check}"; do
     spardapipe) spardapipe ;;
     spardafp8) spardafp8 ;;
     spardapipefp8) spardapipefp8 ;;
+    spardaparts) spardaparts ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
     topkquick) topkquick ;;
