@@ -22,7 +22,8 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
             (select(l + 1) on a third stream alongside layer l, the prefetch after it on the second);
             Prefetcher (async3 with the persistent Prefetcher's submit instead of the prefetch; a graph
             captured before it starts). Hidden = (sync - schedule) / transfer, transfer = select +
-            prefetch alone of all layers; "ahead": of layers 1..L-1, those with a layer to hide behind
+            prefetch alone of all layers; async4 (tma): async3 with the layer's matmuls after the next
+            layer's selection; "ahead": of layers 1..L-1, those with a layer to hide behind
             (layer 0 has none: SparDA selects it in the same layer, paper 004 section 4.6)
   prefetcher  the persistent Prefetcher (16 CTAs, started once) against the stream-ordered prefetch,
             eager, 64-token blocks: submit + wait vs prefetch, timed with events
@@ -459,12 +460,18 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         gvr.sparda.prefetch(cache.k(l), cache.v(l), sel[l], stage[l][0], stage[l][1], block_table=block_table,
                             resident=prev, slot_map_out=cur, stream=stream, method=method[0])
 
-    def attend(l):
+    def attention(l):
         cur = maps[l][step_box[0] % 2]
         gvr.sparse_attention(q, stage[l][0], stage[l][1], sel[l], lengths=lengths, block_table=cur, block_size=P,
                              k_scale=ks, v_scale=vs)
+
+    def matmuls():
         for W, x, y in zip(Ws, xs, ys):
             torch.matmul(x, W, out=y)
+
+    def attend(l):
+        attention(l)
+        matmuls()
 
     def step_sync():
         step_box[0] += 1
@@ -525,6 +532,36 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         main.wait_stream(side)
         main.wait_stream(side2)
 
+    def step_async4():
+        # async3, with the layer's matmuls after the next layer's selection (main waits for it): the
+        # selection's short kernels then run before the layer's long GEMV takes the SMs, and the prefetch
+        # that follows keeps its CTAs through it
+        step_box[0] += 1
+        main = torch.cuda.current_stream()
+        select(0)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            fetch(0, side)
+        ev[0].record(side)
+        for l in range(L):
+            if l + 1 < L:
+                started[l].record(main)
+                side2.wait_event(started[l])
+                with torch.cuda.stream(side2):
+                    select(l + 1)
+                selected[l + 1].record(side2)
+                side.wait_event(selected[l + 1])
+                with torch.cuda.stream(side):
+                    fetch(l + 1, side)
+                ev[l + 1].record(side)
+            main.wait_event(ev[l])
+            attention(l)
+            if l + 1 < L:
+                main.wait_event(selected[l + 1])
+            matmuls()
+        main.wait_stream(side)
+        main.wait_stream(side2)
+
     def transfer_only(first=0):
         step_box[0] += 1
         for l in range(first, L):
@@ -535,7 +572,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         for l in range(L):
             attend(l)
 
-    for fn in (step_sync, step_async, step_async3):
+    for fn in (step_sync, step_async, step_async3, step_async4):
         fn()
     torch.cuda.synchronize()
     cnt = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -556,7 +593,8 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
                      ("transfer_ahead", lambda: transfer_only(1)), ("compute", compute_only)):
         r[name] = timer.graph(fn, 2, 10)["median_us"]
     method[0] = "tma"  # the same schedules with the bulk-copy gather
-    for name, fn in (("sync_tma", step_sync), ("async3_tma", step_async3), ("transfer_tma", transfer_only),
+    for name, fn in (("sync_tma", step_sync), ("async3_tma", step_async3), ("async4_tma", step_async4),
+                     ("transfer_tma", transfer_only),
                      ("transfer_ahead_tma", lambda: transfer_only(1))):
         r[name] = timer.graph(fn, 2, 10)["median_us"]
     if parts:  # which half of the transfer stays exposed: each alone (tma), the other left out
@@ -582,6 +620,8 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         r[f"hidden_ahead_{name}"] = (r["sync"] - r[name]) / r["transfer_ahead"]
     r["hidden_async3_tma"] = (r["sync_tma"] - r["async3_tma"]) / r["transfer_tma"]
     r["hidden_ahead_async3_tma"] = (r["sync_tma"] - r["async3_tma"]) / r["transfer_ahead_tma"]
+    r["hidden_async4_tma"] = (r["sync_tma"] - r["async4_tma"]) / r["transfer_tma"]
+    r["hidden_ahead_async4_tma"] = (r["sync_tma"] - r["async4_tma"]) / r["transfer_ahead_tma"]
     r["mean_blocks_moved_per_layer"] = sum(moved) / len(moved)
     r["blocks_per_layer"] = k
     if prefetcher:
@@ -596,7 +636,9 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
           f"{100 * r['hidden_ahead_async']:.0f}% of layers 1-{L - 1}'s; async3 {100 * r['hidden_async3']:.0f}% / "
           f"{100 * r['hidden_ahead_async3']:.0f}%; with method tma: sync {r['sync_tma']:.0f} us, async3 "
           f"{r['async3_tma']:.0f} us, transfer {r['transfer_tma']:.0f} us -> {100 * r['hidden_async3_tma']:.0f}% / "
-          f"{100 * r['hidden_ahead_async3_tma']:.0f}%" + (f"; Prefetcher {100 * r['hidden_prefetcher']:.0f}% / "
+          f"{100 * r['hidden_ahead_async3_tma']:.0f}%; async4 (matmuls after the next selection) "
+          f"{r['async4_tma']:.0f} us -> {100 * r['hidden_async4_tma']:.0f}% / {100 * r['hidden_ahead_async4_tma']:.0f}%"
+          + (f"; Prefetcher {100 * r['hidden_prefetcher']:.0f}% / "
                                                        f"{100 * r['hidden_ahead_prefetcher']:.0f}%"
                                                        if r.get("prefetcher") else ""), flush=True)
     del stage, Ws
