@@ -67,6 +67,26 @@ def layer_hit_rates(gvr, x, k):
 HQ, HKV, D, P, G, KB = 32, 8, 128, 64, 64, 64
 
 
+def timed_steps(torch, timer, cell, name, step_fn, steps, replays, runtimes=(), per=1):
+    """cell["us"][name] = µs of one graph of step_fn(0) .. step_fn(steps - 1), median of replays, divided by
+    steps * per; cell["hit"][name] = the runtimes' mean hit rate over the replays (their mean); a method
+    that does not run is reported in cell["errors"]."""
+    def g():
+        for i in range(steps):
+            step_fn(i)
+    try:
+        for sa in runtimes:
+            sa.reset_hit_rates()
+        r = timer.graph(g, calls=1, replays=replays)
+        cell["us"][name] = r["median_us"] / (steps * per)
+        if runtimes:
+            cell["hit"][name] = float(np.mean([sa.mean_hit_rate for sa in runtimes]))
+    except Exception as e:  # noqa: BLE001 - a method that does not run is reported
+        cell.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:200]
+        print(f"  ({name}: {cell['errors'][name]})", flush=True)
+        torch.cuda.synchronize()
+
+
 def cuda_steps(gvr, torch, args):
     """The graph-replayed step table (see the module docstring) -> list of cells."""
     from gvr import _prr_runtime as R
@@ -144,24 +164,8 @@ def cuda_steps(gvr, torch, args):
         cell["exact_max_diff"], cell["exact_tolerance"] = worst, tol
         cell["correct"] = worst <= tol
 
-        def run_all(step_fn):
-            def g():
-                for i in range(S):
-                    step_fn(i)
-            return g
-
         def timed(name, step_fn, sa=None):
-            try:
-                if sa is not None:
-                    sa.reset_hit_rates()
-                r = timer.graph(run_all(step_fn), calls=1, replays=args.replays)
-                cell["us"][name] = r["median_us"] / S
-                if sa is not None:
-                    cell["hit"][name] = sa.mean_hit_rate
-            except Exception as e:  # noqa: BLE001 - a method that does not run is reported
-                cell.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:200]
-                print(f"  ({name}: {cell['errors'][name]})", flush=True)
-                torch.cuda.synchronize()
+            timed_steps(torch, timer, cell, name, step_fn, S, args.replays, () if sa is None else (sa,))
 
         timed("serial", serial)
         timed("select", sel_part)
@@ -267,24 +271,8 @@ def cuda_layers(gvr, torch, args):
         cell["exact_max_diff"], cell["exact_tolerance"] = worst, tol
         cell["correct"] = worst <= tol
 
-        def run_all(step_fn):
-            def g():
-                for i in range(S):
-                    step_fn(i)
-            return g
-
-        def timed(name, fn, rts=None):
-            try:
-                for sa, _ in rts or ():
-                    sa.reset_hit_rates()
-                r = timer.graph(run_all(fn), calls=1, replays=args.replays)
-                cell["us"][name] = r["median_us"] / (S * L)
-                if rts:
-                    cell["hit"][name] = float(np.mean([sa.mean_hit_rate for sa, _ in rts]))
-            except Exception as e:  # noqa: BLE001 - a method that does not run is reported
-                cell.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:200]
-                print(f"  ({name}: {cell['errors'][name]})", flush=True)
-                torch.cuda.synchronize()
+        def timed(name, fn, rts=()):
+            timed_steps(torch, timer, cell, name, fn, S, args.replays, [sa for sa, _ in rts], per=L)
 
         timed("serial", serial)
         for (pred, mode) in sorted(kinds):

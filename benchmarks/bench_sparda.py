@@ -506,36 +506,11 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
             attend(l)
         main.wait_stream(side)
 
-    def step_async3():
+    def step_async3(matmuls_after_next_select=False):
         # the same with select(l + 1) on a stream of its own, started with layer l (alongside its attention
-        # and FFN), and the prefetch on the side stream after it
-        step_box[0] += 1
-        main = torch.cuda.current_stream()
-        select(0)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            fetch(0, side)
-        ev[0].record(side)
-        for l in range(L):
-            if l + 1 < L:
-                started[l].record(main)
-                side2.wait_event(started[l])
-                with torch.cuda.stream(side2):
-                    select(l + 1)
-                selected[l + 1].record(side2)
-                side.wait_event(selected[l + 1])
-                with torch.cuda.stream(side):
-                    fetch(l + 1, side)
-                ev[l + 1].record(side)
-            main.wait_event(ev[l])
-            attend(l)
-        main.wait_stream(side)
-        main.wait_stream(side2)
-
-    def step_async4():
-        # async3, with the layer's matmuls after the next layer's selection (main waits for it): the
-        # selection's short kernels then run before the layer's long GEMV takes the SMs, and the prefetch
-        # that follows keeps its CTAs through it
+        # and FFN), and the prefetch on the side stream after it. matmuls_after_next_select (async4): the
+        # layer's matmuls wait for select(l + 1), so that its short kernels run before the layer's long GEMV
+        # takes the SMs and the prefetch that follows keeps its CTAs through it
         step_box[0] += 1
         main = torch.cuda.current_stream()
         select(0)
@@ -556,11 +531,14 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
                 ev[l + 1].record(side)
             main.wait_event(ev[l])
             attention(l)
-            if l + 1 < L:
+            if matmuls_after_next_select and l + 1 < L:
                 main.wait_event(selected[l + 1])
             matmuls()
         main.wait_stream(side)
         main.wait_stream(side2)
+
+    def step_async4():
+        step_async3(matmuls_after_next_select=True)
 
     def transfer_only(first=0):
         step_box[0] += 1
