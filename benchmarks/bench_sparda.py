@@ -35,9 +35,15 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
   pipeparts the light layer's pipeline (fp8 and bfloat16) with each half of the transfer alone -- the
             selections without the prefetches, the prefetches without new selections -- in sync, async3
             and transfer-only schedules (tma): which half stays exposed
+  select    forecast_select on the device, graph-replayed (warm), µs per call: gvr (the window counts
+            inside the scores kernel: scores + Top-K, two kernels), "counts first" (the window counts by
+            torch ops before select_blocks: the chain before session 18, eight kernels), torch (a bf16
+            matmul, the keep ranges, torch.topk); alone, and beside a 4096x28672 bf16 GEMV (235 MB) on
+            the main stream, the selection enqueued first on a side stream (as the pipelines' async3):
+            exposed = that graph's time - the GEMV's alone
 Every gather is checked byte for byte against the host pages. While a Prefetcher runs nothing allocates
 and nothing synchronizes the device. Usage: python benchmarks/bench_sparda.py [--json PATH] [--quick]
-[--only prefetcher|shapes|pipeline|fp8|pipefp8|pipeparts]
+[--only prefetcher|shapes|pipeline|fp8|pipefp8|pipeparts|select]
 """
 import argparse
 import os
@@ -53,9 +59,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer block counts, no pipeline")
-    ap.add_argument("--only", choices=("prefetcher", "shapes", "pipeline", "fp8", "pipefp8", "pipeparts"), default=None,
-                    help="one section: the eager Prefetcher timing, the gather CTA shapes, the pipelines, fp8 "
-                         "vs bfloat16 gathers, or the pipelines over fp8 host caches")
+    ap.add_argument("--only", choices=("prefetcher", "shapes", "pipeline", "fp8", "pipefp8", "pipeparts", "select"),
+                    default=None, help="one section: the eager Prefetcher timing, the gather CTA shapes, the "
+                    "pipelines, fp8 vs bfloat16 gathers, the pipelines over fp8 host caches, the light layer's "
+                    "transfer halves, or forecast_select's timing")
+    ap.add_argument("--timeline", default=None, metavar="PREFIX",
+                    help="pipeparts: also one replay of each light pipeline's async3 (tma) graph under torch.profiler "
+                         "-> PREFIX_light_KV.txt (kernels in time order, per stream) and .json (Chrome trace)")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import gvr.sparda  # noqa: F401
@@ -71,8 +81,11 @@ def main():
             r = {"header": meta, "shapes": shapes(gvr, torch, timer)}
         elif args.only == "fp8":
             r = {"header": meta, "fp8": fp8_gathers(gvr, torch, timer)}
+        elif args.only == "select":
+            r = {"header": meta, "select": selections(gvr, torch, timer)}
         elif args.only == "pipeparts":
-            r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, "light", prefetcher=False, kv=kv, parts=True)
+            r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, "light", prefetcher=False, kv=kv, parts=True,
+                                                        timeline=args.timeline and f"{args.timeline}_light_{kv}")
                                                for kv in ("fp8", "bfloat16")]}
         elif args.only == "pipefp8":
             r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay, prefetcher=False, kv=kv, priority=pr)
@@ -340,6 +353,78 @@ def _check(torch, hk, hv, dk, dv, sel, slot_map):
                 and torch.equal(raw(dv.cpu()[slots.long()]), raw(hv[sel.long()])))
 
 
+def selections(gvr, torch, timer):
+    """forecast_select's device time (module docstring, "select"): per cell gvr, counts first, torch; alone
+    and beside a GEMV."""
+    from gvr.sparda import _num_windows
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(4096, 28672, dtype=bf, device=dev)
+    x = torch.randn(1, 4096, dtype=bf, device=dev)
+    y = torch.empty(1, 28672, dtype=bf, device=dev)
+    side = torch.cuda.Stream()
+    rows, out = [], []
+    # (B, Hkv, windows, kernel, stride, k): the pipelines' cell (one GQA group, 64-token pages), every KV head,
+    # and SparDA's windows (32 tokens every 16) at 128K tokens
+    for B, Hkv, Nc, kw, st, k in ((1, 1, 2048, 64, 64, 32), (1, 8, 2048, 64, 64, 32), (1, 8, 8191, 32, 16, 128),
+                                  (8, 8, 8191, 32, 16, 128)):
+        T = (Nc - 1) * st + kw
+        F = torch.randn(B, Hkv, 128, generator=g).to(bf).to(dev)
+        kt = torch.randn(B, Hkv, Nc, 128, generator=g).to(bf).to(dev)
+        lengths = torch.full((B,), T, dtype=torch.int32, device=dev)
+        sel = torch.empty(B, Hkv, k, dtype=torch.int32, device=dev)
+        meta = kt.unsqueeze(3).expand(B, Hkv, Nc, 2, 128)
+
+        def ours():
+            gvr.sparda.forecast_select(F, kt, k, lengths=lengths, kernel=kw, stride=st, out=sel)
+
+        def counts_first():  # the chain before: the window counts by torch ops, then select_blocks
+            gvr.prr.select_blocks(F, meta, k, _num_windows(lengths, kw, st), block_size=1, out=sel)
+
+        def reference():  # what a torch user writes: scores, the valid and kept windows, torch.topk
+            s = torch.matmul(kt, F.unsqueeze(-1)).squeeze(-1).float()
+            n = _num_windows(lengths, kw, st).view(B, 1, 1)
+            j = torch.arange(Nc, device=dev).view(1, 1, Nc)
+            s = torch.where(j < n, s, -torch.inf)
+            s = torch.where((j < 1) | ((j >= n - 2) & (j < n)), torch.inf, s)
+            sel.copy_(torch.topk(s, k, dim=-1).indices)
+
+        ours()
+        torch.cuda.synchronize()
+        want = sel.clone()
+        counts_first()
+        torch.cuda.synchronize()
+        if not torch.equal(sel, want):
+            raise SystemExit("forecast_select: the counts-first chain selects differently")
+
+        def beside(fn):
+            def run():
+                main = torch.cuda.current_stream()
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    fn()
+                torch.matmul(x, W, out=y)
+                main.wait_stream(side)
+            return run
+
+        gemv = timer.graph(lambda: torch.matmul(x, W, out=y), 10, 10)["median_us"]
+        r = {"B": B, "Hkv": Hkv, "windows": Nc, "kernel": kw, "stride": st, "k": k, "gemv_us": gemv}
+        names = ("gvr", "counts_first", "torch", "one_kernel")
+        for name, fn in zip(names, (ours, counts_first, reference, lambda: sel.zero_())):
+            r[name] = timer.graph(fn, 10, 10)["median_us"]
+            r[f"{name}_beside_gemv"] = timer.graph(beside(fn), 10, 10)["median_us"]
+            r[f"{name}_exposed"] = r[f"{name}_beside_gemv"] - gemv
+        out.append(r)
+        rows.append([B, Hkv, Nc, f"{kw}/{st}", k] + [f"{r[n]:.1f}" for n in names[:3]] +
+                    [f"{gemv:.1f}"] + [f"{r[n + '_exposed']:.1f}" for n in names])
+    print("\nforecast_select, CUDA graphs (warm), µs per call; beside a 4096x28672 bf16 GEMV: exposed = "
+          "[selection on a side stream || GEMV] - GEMV alone; one kernel: a 128-byte zero_() in the selection's "
+          "place (what the fork and join cost)")
+    print(H.format_table(["B", "Hkv", "windows", "kernel/stride", "k", "gvr", "counts first", "torch", "GEMV",
+                          "exposed: gvr", "counts first", "torch", "one kernel"], rows), flush=True)
+    return out
+
+
 def fp8_gathers(gvr, torch, timer):
     """64-token blocks (Hkv 8, D 128) from an fp8 (e4m3fn) and a bfloat16 host cache: µs and GB/s per method"""
     dev = torch.device("cuda")
@@ -396,12 +481,15 @@ def fp8_gathers(gvr, torch, timer):
     return out
 
 
-def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", priority=0, parts=False):
+def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", priority=0, parts=False,
+             timeline=None):
     """4 layers, 128K tokens, B 1: sync vs async prefetch one layer ahead (module docstring); kv: the host
     cache's and the staging cache's dtype, "bfloat16" or "fp8" (e4m3fn, attention with k_scale / v_scale);
     priority: the side streams' (torch's: lower is higher; 0 the default, -1 high: the gathers' CTAs take
     the SMs that the layer's kernels free before the layer's next CTAs do); parts: also each half of the
-    transfer alone in the schedules (the selections only, the prefetches only: the other left out)."""
+    transfer alone in the schedules (the selections only, the prefetches only: the other left out);
+    timeline: a path prefix -- one replay of the async3 (tma) graph under torch.profiler: its kernels in
+    time order, per stream, written to PREFIX.txt (and the Chrome trace to PREFIX.json)."""
     L, P, Hq, Hkv, D, k, T = 4, 64, 32, 8, 128, 32, 131072
     pages = T // P
     bf = torch.bfloat16
@@ -429,6 +517,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
     maps = [[torch.full((1, pages), -1, dtype=torch.int32, device=dev) for _ in range(2)] for _ in range(L)]
     sel = [torch.empty((1, 1, k), dtype=torch.int32, device=dev) for _ in range(L)]
     F = [torch.randn(1, 1, D, generator=g).to(bf).to(dev) for _ in range(L)]
+    noise = torch.empty(L, 1, 1, D, dtype=bf, device=dev)
     q = torch.randn(1, Hq, D, dtype=bf, device=dev)
     if layer == "light":  # the FFN stand-in of session 8: one 4096 x 28672 bf16 matmul (235 MB read per layer)
         shapes = [(4096, 28672)]
@@ -447,7 +536,9 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         if "select" in skip:  # a recorded selection (one small copy): the prefetches move what they would
             sel[l].copy_(pool[l][step_box[0] % len(pool[l])])
             return
-        F[l].mul_(0.9).add_(0.45 * torch.randn_like(F[l]))  # the Forecast drifts step to step
+        # the Forecast drifts step to step (0.9 F + N(0, 0.45^2)): one kernel, as the Forecast head's GEMV
+        # of a model (this was four elementwise kernels before session 18)
+        F[l].lerp_(noise[l], 0.1)
         gvr.sparda.forecast_select(F[l], ktil[l], k, lengths=nwin, kernel=1, stride=1,
                                    init_blocks=1, local_blocks=2, out=sel[l])
 
@@ -473,8 +564,12 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         attention(l)
         matmuls()
 
-    def step_sync():
+    def new_token():  # the step's new input: the noise the Forecasts drift by (one kernel)
         step_box[0] += 1
+        noise.normal_(0.0, 4.5)
+
+    def step_sync():
+        new_token()
         for l in range(L):
             select(l)
             fetch(l)
@@ -488,7 +583,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         # one layer ahead: at the start of layer l the main stream runs select(l + 1) (the Forecast of layer
         # l + 1 reads layer l's input), the side stream prefetches its blocks while layer l computes, and
         # layer l + 1 waits for them
-        step_box[0] += 1
+        new_token()
         main = torch.cuda.current_stream()
         select(0)
         side.wait_stream(main)
@@ -511,7 +606,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         # and FFN), and the prefetch on the side stream after it. matmuls_after_next_select (async4): the
         # layer's matmuls wait for select(l + 1), so that its short kernels run before the layer's long GEMV
         # takes the SMs and the prefetch that follows keeps its CTAs through it
-        step_box[0] += 1
+        new_token()
         main = torch.cuda.current_stream()
         select(0)
         side.wait_stream(main)
@@ -541,7 +636,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
         step_async3(matmuls_after_next_select=True)
 
     def transfer_only(first=0):
-        step_box[0] += 1
+        new_token()
         for l in range(first, L):
             select(l)
             fetch(l)
@@ -557,7 +652,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
     # overlap of consecutive selections (what resident saves)
     moved = []
     for _ in range(4):
-        step_box[0] += 1
+        new_token()
         for l in range(L):
             select(l)
             cur, prev = maps[l][step_box[0] % 2], maps[l][(step_box[0] + 1) % 2]
@@ -575,8 +670,11 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
                      ("transfer_tma", transfer_only),
                      ("transfer_ahead_tma", lambda: transfer_only(1))):
         r[name] = timer.graph(fn, 2, 10)["median_us"]
+    if timeline:
+        _timeline(torch, timer, step_async3, timeline, f"{layer} {kv}, async3 (tma)")
     if parts:  # which half of the transfer stays exposed: each alone (tma), the other left out
         for _ in range(6):
+            new_token()
             for l in range(L):
                 select(l)
                 pool[l].append(sel[l].clone())
@@ -604,7 +702,7 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
     r["blocks_per_layer"] = k
     if prefetcher:
         r.update(_pipeline_prefetcher(gvr, torch, L, select, attend, cache, sel, stage, maps, block_table, step_box,
-                                      side2, pages, k, S, r))
+                                      side2, pages, k, S, r, new_token))
     print(f"pipeline 128K x {L} layers ({layer} layer: {r['weights_mb']:.0f} MB of weights; {kv} KV; side streams' priority {priority}), CUDA graphs, per step "
           f"(B 1, {k} blocks of {P} tokens per layer, {r['mean_blocks_moved_per_layer']:.1f} moved per layer with "
           f"resident=): sync {r['sync']:.0f} us, async {r['async']:.0f} us, async3 (select alongside) "
@@ -624,8 +722,31 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
     return r
 
 
+def _timeline(torch, timer, step, prefix, what):
+    """one replay of a graph of 2 steps under torch.profiler (CUPTI): the kernels in time order with their
+    stream, start and end (µs from the first kernel's start) -> PREFIX.txt, the Chrome trace -> PREFIX.json"""
+    from torch.profiler import ProfilerActivity, profile
+    g = timer.capture(step, 2)
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(prefix + ".json")
+    ks = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    ks.sort(key=lambda e: e.time_range.start)
+    t0 = ks[0].time_range.start if ks else 0
+    with open(prefix + ".txt", "w") as f:
+        f.write(f"# {what}: one replay of a graph of 2 steps, kernels in time order (us from the first start)\n")
+        for e in ks:
+            f.write(f"{(e.time_range.start - t0):9.1f} {(e.time_range.end - t0):9.1f} {e.time_range.end - e.time_range.start:8.1f}"
+                    f"  stream {getattr(e, 'device_resource_id', '?')!s:>4}  {e.name[:110]}\n")
+    del g
+    print(f"  timeline of {what}: {len(ks)} kernels -> {prefix}.txt", flush=True)
+
+
 def _pipeline_prefetcher(gvr, torch, L, select, attend, cache, sel, stage, maps, block_table, step_box, side2, pages,
-                         k, S, r):
+                         k, S, r, new_token):
     """the async3 schedule with the persistent Prefetcher instead of the side stream's prefetch: a graph of
     2 steps captured before its kernel starts (torch.cuda.graph synchronizes the device), replayed while
     it runs, timed with events and stream synchronization only"""
@@ -643,7 +764,7 @@ def _pipeline_prefetcher(gvr, torch, L, select, attend, cache, sel, stage, maps,
 
         def step():
             main = torch.cuda.current_stream()  # the capturing stream
-            step_box[0] += 1
+            new_token()
             tk = [None] * L
             select(0)
             tk[0] = submit(0)

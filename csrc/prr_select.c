@@ -227,11 +227,13 @@ static const gvr_spec scores_spec = {"prr.block_scores", SCORES_NARGS, scores_ar
 
 const char gvr_block_scores_doc[] =
     "block_scores(q, meta, lengths, out, counts, block_size, group_reduce, keep_first, keep_last, stream,\n"
-    "             nosync, scores_out)\n--\n\n"
+    "             nosync, scores_out, window=1)\n--\n\n"
     "Quest block scores (upper bounds of q.k per block) into out float32 [B, Hkv, Nb]; counts int32\n"
     "[B, Hkv] (optional): the valid blocks of each row; scores_out float32 [B, Hkv, Nb] (optional): the\n"
     "same scores before keep_first / keep_last, from the same pass. See gvr.prr.block_scores and\n"
-    "gvr.prr.select_blocks.";
+    "gvr.prr.select_blocks. window W > 1: lengths are token counts and the blocks are SparDA's windows of W\n"
+    "tokens every block_size (gvr.sparda.forecast_select): row b has (lengths[b] - W) // block_size + 1\n"
+    "of them (0 when lengths[b] < W).";
 
 static int cpu_scores(const void *p) { return prr_block_scores_cpu((const gvr_block_scores_params *)p); }
 
@@ -277,24 +279,31 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
 {
     (void)self;
     static char *kwlist[] = {"q", "meta", "lengths", "out", "counts", "block_size", "group_reduce", "keep_first",
-                             "keep_last", "stream", "nosync", "scores_out", NULL};
+                             "keep_last", "stream", "nosync", "scores_out", "window", NULL};
     PyObject *obj[SCORES_NARGS] = {Py_None, Py_None, Py_None, Py_None, Py_None, Py_None};
     PyObject *o_bs = NULL, *o_red = NULL, *o_kf = NULL, *o_kl = NULL, *o_stream = Py_None, *o_nosync = NULL;
+    PyObject *o_win = NULL;
     PyObject *result = NULL;
     int32_t *copy = NULL;
     gvr_intake in;
     gvr_intake_init(&in);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOOO:block_scores", kwlist, &obj[SQ], &obj[SMETA],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OOOOOOOOOOO:block_scores", kwlist, &obj[SQ], &obj[SMETA],
                                      &obj[SLEN], &obj[SOUT], &obj[SCNT], &o_bs, &o_red, &o_kf, &o_kl, &o_stream,
-                                     &o_nosync, &obj[SRAW]))
+                                     &o_nosync, &obj[SRAW], &o_win))
         return NULL;
     unsigned nosync;
     intptr_t stream;
     int32_t G, red, kf, kl;
+    Py_ssize_t W = 1;
     if (gvr_parse_nosync(o_nosync, SCORES_NARGS, &nosync) < 0 || gvr_parse_stream(o_stream, &stream) < 0 ||
         parse_block_size(o_bs, &G) < 0 || parse_group_reduce(o_red, &red) < 0 ||
-        parse_keep(o_kf, "keep_first", &kf) < 0 || parse_keep(o_kl, "keep_last", &kl) < 0)
+        parse_keep(o_kf, "keep_first", &kf) < 0 || parse_keep(o_kl, "keep_last", &kl) < 0 ||
+        (o_win && o_win != Py_None && gvr_parse_int(o_win, "window", &W) < 0))
         goto fail;
+    if (W < 1 || W > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "'window' must lie in [1, %d], got %zd", INT32_MAX, W);
+        goto fail;
+    }
     if (gvr_intake_run(&in, &scores_spec, obj, stream, nosync) < 0)
         goto fail;
     const gvr_view *q = &in.view[SQ], *m = &in.view[SMETA], *ln = &in.view[SLEN], *o = &in.view[SOUT],
@@ -336,6 +345,7 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
     p.meta_stride_m = m->strides[3];
     p.lengths = (const int32_t *)ln->data;
     p.block_size = G;
+    p.window = (int32_t)W;
     p.group_reduce = red;
     p.keep_first = kf;
     p.keep_last = kl;
@@ -352,7 +362,7 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
         p.raw_stride_b = raw->strides[0];
         p.raw_stride_h = raw->strides[1];
     }
-    const int64_t cap = Nb * (int64_t)G;
+    const int64_t cap = W - 1 + Nb * (int64_t)G; /* the longest row of at most Nb blocks / windows */
     if (in.device == GVR_DEV_CUDA) {
         const int64_t ms[4] = {p.meta_stride_b, p.meta_stride_h, p.meta_stride_j, p.meta_stride_m};
         if (check_cuda_dtype_and_d(q, "q", p.D) < 0 || check_vec16("meta", p.meta, ms, 4, m->itemsize) < 0)
@@ -370,7 +380,8 @@ PyObject *gvr_py_block_scores(PyObject *self, PyObject *args, PyObject *kwds)
                 PyErr_NoMemory();
                 goto fail;
             }
-            if (gvr_read_host_counts(ln, "lengths", "Nb * block_size", B, cap > INT32_MAX ? INT32_MAX : cap, copy) < 0)
+            if (gvr_read_host_counts(ln, "lengths", W > 1 ? "window - 1 + Nb * block_size" : "Nb * block_size", B,
+                                     cap > INT32_MAX ? INT32_MAX : cap, copy) < 0)
                 goto fail;
             p.lengths = copy;
         }

@@ -64,14 +64,15 @@ def _run_update(meta, k_cache, block_table, start, end, block_size, stream):
 
 
 def _run_scores(q, meta, lengths, block_size, group_reduce, keep_first, keep_last, out, counts, stream,
-                raw=None):
+                raw=None, window=1):
     fw = framework(q)
     ms = _shape(meta)
     if out is None and ms is not None and len(ms) == 5:
         out = _new(q, fw, ms[:3], "float32")
     # in gvr._C's spec order (q, meta, lengths, out, counts, scores_out): nosync's bits follow it
     (aq, am, al, ao, ac, ar), stream, nosync = prepare(fw, q, (q, meta, lengths, out, counts, raw), stream)
-    r = _C.block_scores(aq, am, al, ao, ac, block_size, group_reduce, keep_first, keep_last, stream, nosync, ar)
+    r = _C.block_scores(aq, am, al, ao, ac, block_size, group_reduce, keep_first, keep_last, stream, nosync, ar,
+                        window)
     return r if out is None else out
 
 
@@ -84,34 +85,37 @@ def _check_blocks(n, name):
 
 
 def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted=False,
-                scores_out=None):
+                scores_out=None, window=1, name="prr.select_blocks"):
+    """select_blocks' eager path; window > 1 (forecast_select): lengths are token counts and the blocks
+    windows of that many tokens every block_size, counted inside the scores kernel (gvr_kernels.h);
+    name: the public function that errors raised here name."""
     _check_blocks(init_blocks, "init_blocks")
     _check_blocks(local_blocks, "local_blocks")
     fw = framework(q)
     ofw = fw if out is None else framework(out)
     if ofw != fw and not _contiguous(out, ofw):  # (a contiguous one is written directly, as topk_decode takes it)
-        raise TypeError(f"prr.select_blocks: a non-contiguous 'out' must be in q's framework ({fw}), got "
+        raise TypeError(f"{name}: a non-contiguous 'out' must be in q's framework ({fw}), got "
                         f"{type(out).__name__}")
     ms = _shape(meta)
     kk = _int(k)
     if ms is None or len(ms) != 5 or kk is None or kk < 0:
         # gvr._C / topk_decode name the problem
         _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, None, None, stream,
-                    scores_out)
+                    scores_out, window)
         topk_decode(_new(q, fw, (1, 1), "float32"), k)
-        raise TypeError("prr.select_blocks: 'meta' must be [B, Hkv, Nb, 2, D] and 'k' an int >= 0")
+        raise TypeError(f"{name}: 'meta' must be [B, Hkv, Nb, 2, D] and 'k' an int >= 0")
     B, Hkv, Nb = ms[:3]
     if out is not None:  # named before anything is written (scores_out included)
         osh = _shape(out)
         if osh is None:
-            raise TypeError(f"prr.select_blocks: 'out' must be an int32 array [B, Hkv, k], got {type(out).__name__}")
+            raise TypeError(f"{name}: 'out' must be an int32 array [B, Hkv, k], got {type(out).__name__}")
         if tuple(osh) != (B, Hkv, kk):
-            raise ValueError(f"prr.select_blocks: 'out' must have shape [B, Hkv, k] = [{B}, {Hkv}, {kk}], got "
+            raise ValueError(f"{name}: 'out' must have shape [B, Hkv, k] = [{B}, {Hkv}, {kk}], got "
                              f"{list(osh)}")
     scores = _new(q, fw, (B, Hkv, Nb), "float32")
     counts = _new(q, fw, (B, Hkv), "int32")
     _run_scores(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks, scores, counts, stream,
-                scores_out)
+                scores_out, window)
     res = out
     if res is None or not _contiguous(res, ofw):
         res = _new(q, fw, (B, Hkv, kk), "int32")

@@ -171,7 +171,7 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
     Built on ``gvr.prr.select_blocks`` with ktilde as a Quest metadata whose minimum and maximum are the
     same tensor (a stride-0 view: no copy), over blocks of one "token" per window.
     """
-    from ._prr_select import select_blocks
+    from ._prr_select import _run_select, select_blocks
     kernel = _check_int("kernel", kernel, 1)
     stride = _check_int("stride", stride, 1)
     shape = getattr(ktilde, "shape", None)
@@ -185,16 +185,21 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
         kt = np.asarray(ktilde)
         meta = np.lib.stride_tricks.as_strided(kt, (B, H, Nc, 2, D), kt.strides[:3] + (0,) + kt.strides[3:],
                                                writeable=False)
-    nwin = _num_windows(lengths, kernel, stride)
-    is_torch = type(nwin).__module__.startswith("torch")
-    if not compiling() and not (is_torch and nwin.is_cuda):  # host counts are checked here (device ones are clamped by the kernels)
-        n_host = nwin.numpy() if is_torch else nwin
+    if compiling():  # the window counts by torch ops (inductor fuses them), then select_blocks' ops
+        return select_blocks(F, meta, k, _num_windows(lengths, kernel, stride), block_size=1,
+                             init_blocks=init_blocks, local_blocks=local_blocks, out=out, stream=stream)
+    on_device = type(lengths).__module__.startswith("torch") and lengths.is_cuda
+    if not on_device:  # host counts are checked here (device ones are clamped by the kernels)
+        nwin = _num_windows(lengths, kernel, stride)
+        n_host = nwin.numpy() if type(nwin).__module__.startswith("torch") else nwin
         most = int(n_host.max()) if n_host.size else 0
         if most > Nc:
             raise ValueError(f"'lengths' implies {most} complete windows of {kernel} tokens every {stride}, more than "
                              f"'ktilde' holds (Nc = {Nc})")
-    return select_blocks(F, meta, k, nwin, block_size=1, init_blocks=init_blocks, local_blocks=local_blocks,
-                         out=out, stream=stream)
+    # the scores kernel counts the windows from the token counts itself (window = kernel, block_size =
+    # stride): two kernels on the device (scores, Top-K), none before them
+    return _run_select(F, meta, k, lengths, stride, "max", init_blocks, local_blocks, out, stream,
+                       window=kernel, name="sparda.forecast_select")
 
 
 def _ckeys_shape(k_cache, block_table, kernel, stride):

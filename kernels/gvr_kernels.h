@@ -333,7 +333,10 @@ enum { GVR_GROUP_MAX = 0, GVR_GROUP_SUM = 1 };
 
 /* Quest's block scores: for row b, KV head h, block j (Nb blocks, G = block_size tokens each),
  * query heads g in [h*GQ, (h+1)*GQ), GQ = Hq / Hkv, with n_b = min(ceil(len_b / G), Nb) blocks
- * (len_b = lengths ? clamp(lengths[b], 0, Nb*G) : Nb*G):
+ * (len_b = lengths ? max(lengths[b], 0) : Nb*G). window W > 1 (SparDA's windows of W tokens every
+ * G, gvr.sparda.forecast_select): n_b = len_b >= W ? min((len_b - W) / G + 1, Nb) : 0, the complete
+ * windows within len_b tokens (len_b = lengths ? max(lengths[b], 0) : W - 1 + Nb*G); W = 1 is the
+ * block count above. So lengths may hold token counts and no kernel computes the counts first:
  *   scores[b, h, j] = -inf                    when j >= n_b or the block is empty (see above),
  *                   = +inf                    else when j < keep_first or j >= n_b - keep_last,
  *                   = R_g s_g                 else, R = max (GVR_GROUP_MAX) or sum (GVR_GROUP_SUM),
@@ -366,6 +369,7 @@ typedef struct {
     int64_t meta_stride_b, meta_stride_h, meta_stride_j, meta_stride_m;
     const int32_t *lengths; /* [B] contiguous; NULL: Nb * G */
     int32_t block_size;
+    int32_t window; /* W: 0 or 1 blocks of G tokens; > 1 windows of W tokens every G (see above) */
     int32_t group_reduce; /* GVR_GROUP_* */
     int32_t keep_first, keep_last;
     float *scores; /* [B, Hkv, Nb], unit stride along Nb */

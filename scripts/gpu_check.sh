@@ -23,6 +23,7 @@
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   spardapipefp8  bench_sparda --only pipefp8 (the pipelines over fp8 host caches beside bfloat16 ones)
 #   spardaparts  bench_sparda --only pipeparts (the light layer's pipeline with each half of the transfer alone)
+#   spardaselect  bench_sparda --only select (forecast_select alone and beside a GEMV: gvr, counts first, torch)
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
@@ -271,7 +272,13 @@ spardapipefp8() {  # bench_sparda --only pipefp8: the pipelines over fp8 host ca
 spardaparts() {  # bench_sparda --only pipeparts: the light layer's pipeline with each half of the transfer alone
   say "bench_sparda --only pipeparts"
   (cd /tmp && timeout -k 5 400 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeparts \
-    --json "$OUT/results_sparda_pipeparts.json") 2>&1 | tee "$OUT/bench_sparda_pipeparts.log" | tail -12
+    --json "$OUT/results_sparda_pipeparts.json" --timeline "$OUT/timeline") 2>&1 | tee "$OUT/bench_sparda_pipeparts.log" | tail -12
+}
+
+spardaselect() {  # bench_sparda --only select: forecast_select alone and beside a GEMV (gvr, counts first, torch)
+  say "bench_sparda --only select"
+  (cd /tmp && timeout -k 5 200 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only select \
+    --json "$OUT/results_sparda_select.json") 2>&1 | tee "$OUT/bench_sparda_select.log" | tail -12
 }
 
 spardapipe() {  # bench_sparda --only pipeline: both layer stand-ins, every schedule, the Prefetcher's graph
@@ -429,6 +436,7 @@ for mode in "${@:-check}"; do
     spardafp8) spardafp8 ;;
     spardapipefp8) spardapipefp8 ;;
     spardaparts) spardaparts ;;
+    spardaselect) spardaselect ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
     topkquick) topkquick ;;

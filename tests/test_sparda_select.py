@@ -77,6 +77,41 @@ def test_bad_inputs():
         gvr.sparda.forecast_select(F[:, :1], kt, 4, lengths=ln)  # Hkv mismatch, named by select_blocks
     with pytest.raises(ValueError, match="'k'"):
         gvr.sparda.forecast_select(F, kt, -1, lengths=ln)
+    with pytest.raises(ValueError, match="'lengths' must lie in"):  # token counts are >= 0 (device ones: clamped)
+        gvr.sparda.forecast_select(F, kt, 4, lengths=np.array([500, -1, 500], np.int32))
+    out = np.full((3, 2, 5), 9, np.int32)
+    with pytest.raises(ValueError, match=r"sparda\.forecast_select: 'out' must have shape"):  # named as called
+        gvr.sparda.forecast_select(F, kt, 4, lengths=ln, out=out)
+    assert np.all(out == 9)
+
+
+@pytest.mark.parametrize("kernel,stride", [(32, 16), (64, 64), (5, 3), (1, 7)])
+def test_block_scores_window_counts(kernel, stride):
+    """gvr._C.block_scores with window=W: the row's blocks are the complete windows of W tokens every
+    block_size in lengths[b] tokens, counted by the kernel, equal to giving it those counts with block_size 1;
+    the host bound on lengths is the longest row of at most Nb windows."""
+    from gvr import _C
+    F, kt = case(6, Nc=40)
+    B, H, Nc, D = kt.shape
+    meta = np.ascontiguousarray(np.broadcast_to(kt[:, :, :, None, :], (B, H, Nc, 2, D)))
+    cap = kernel - 1 + Nc * stride
+    for lengths in ([0, kernel - 1, kernel], [kernel + stride - 1, kernel + stride, cap], [cap - 1, 3 * stride, 1]):
+        ln = np.array(lengths, np.int32)
+        nwin = np.where(ln >= kernel, (ln.astype(np.int64) - kernel) // stride + 1, 0).astype(np.int32)
+        assert nwin.max() <= Nc
+        for kf, kl in ((0, 0), (1, 2)):
+            s_w, c_w = np.zeros((B, H, Nc), np.float32), np.zeros((B, H), np.int32)
+            s_1, c_1 = np.zeros((B, H, Nc), np.float32), np.zeros((B, H), np.int32)
+            _C.block_scores(F, meta, ln, s_w, c_w, stride, "max", kf, kl, None, None, None, kernel)
+            _C.block_scores(F, meta, nwin, s_1, c_1, 1, "max", kf, kl, None, None, None)
+            assert np.array_equal(c_w, np.broadcast_to(nwin[:, None], (B, H))) and np.array_equal(c_w, c_1)
+            assert np.array_equal(s_w.view(np.int32), s_1.view(np.int32))
+    s_w, c_w = np.zeros((B, H, Nc), np.float32), np.zeros((B, H), np.int32)
+    with pytest.raises(ValueError, match=rf"'lengths' must lie in \[0, (window - 1 \+ )?Nb \* block_size\] = \[0, {cap}\]"):
+        _C.block_scores(F, meta, np.array([cap + 1, 0, 0], np.int32), s_w, c_w, stride, "max", 0, 0, None, None,
+                        None, kernel)
+    with pytest.raises(ValueError, match="'window'"):
+        _C.block_scores(F, meta, None, s_w, c_w, stride, "max", 0, 0, None, None, None, 0)
 
 
 @pytest.mark.gpu
@@ -85,6 +120,14 @@ def test_cuda_equals_cpu_and_replays(cuda, dtype):
     F, kt = case(5, D=128)
     lengths = np.array([(kt.shape[2] - 1) * 16 + 32, 200, 10], np.int32)
     want = gvr.sparda.forecast_select(F, kt, 12, lengths=lengths)
+    # device lengths past the last window and below zero: clamped by the kernel (Nc windows, none)
+    for far, gone in (((kt.shape[2] + 5) * 16 + 32, -9), (2 ** 31 - 1, -2 ** 31)):
+        lx = np.array([far, 200, gone], np.int32)
+        wx = gvr.sparda.forecast_select(F, kt, 12, lengths=np.array([lengths[0], 200, 0], np.int32))
+        gx = gvr.sparda.forecast_select(torch.from_numpy(F).to("cuda", getattr(torch, dtype)),
+                                        torch.from_numpy(kt).to("cuda", getattr(torch, dtype)), 12,
+                                        lengths=torch.from_numpy(lx).cuda())
+        assert np.array_equal(np.sort(gx.cpu().numpy(), -1), np.sort(wx, -1))
     td = getattr(torch, dtype)
     Fg, ktg, lg = (torch.from_numpy(F).to("cuda", td), torch.from_numpy(kt).to("cuda", td),
                    torch.from_numpy(lengths).cuda())

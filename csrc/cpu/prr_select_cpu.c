@@ -235,9 +235,9 @@ static int scores_unit(void *vctx, int64_t unit)
     const int64_t b = unit / p->Hkv;
     const int h = (int)(unit - b * p->Hkv);
     const size_t es = gvr_elem_bytes(p->dtype), mes = gvr_elem_bytes(p->meta_dtype);
-    const int64_t G = p->block_size, cap = (int64_t)p->Nb * G;
-    const int64_t len = p->lengths ? clamp64(p->lengths[b], 0, cap) : cap;
-    const int64_t nb = (len + G - 1) / G;
+    const int64_t G = p->block_size, W = p->window > 1 ? p->window : 1;
+    const int64_t len = p->lengths ? (p->lengths[b] > 0 ? p->lengths[b] : 0) : W - 1 + (int64_t)p->Nb * G;
+    const int64_t nb = len < W ? 0 : (len - W) / G + 1 < p->Nb ? (len - W) / G + 1 : p->Nb;
     if (p->counts)
         p->counts[b * p->counts_stride_b + h * p->counts_stride_h] = (int32_t)nb;
     float *out = p->scores + b * p->scores_stride_b + h * p->scores_stride_h;

@@ -334,15 +334,15 @@ __global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_par
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c = lane % L, slot = warp * BPW + lane / L;
     const int GQ = p.Hq / p.Hkv;
-    const int64_t G = p.block_size, cap = (int64_t)p.Nb * G;
+    const int64_t G = p.block_size, W = p.window > 1 ? p.window : 1;
     const int64_t items = (int64_t)p.B * p.Hkv * tiles;
     for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
         const int64_t row = it / tiles;
         const int tile = (int)(it - row * tiles);
         const int64_t b = row / p.Hkv;
         const int h = (int)(row - b * p.Hkv);
-        const int64_t len = p.lengths ? clamp64(p.lengths[b], 0, cap) : cap;
-        const int64_t nb = (len + G - 1) / G;
+        const int64_t len = p.lengths ? (int64_t)max(p.lengths[b], 0) : W - 1 + (int64_t)p.Nb * G;
+        const int64_t nb = len >= W ? min((len - W) / G + 1, (int64_t)p.Nb) : 0;
         if (p.counts && tile == 0 && tid == 0)
             p.counts[b * p.counts_stride_b + h * p.counts_stride_h] = (int32_t)nb;
         __syncthreads(); /* qs of the previous item read */
