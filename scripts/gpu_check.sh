@@ -321,17 +321,18 @@ attnprofile() {  # per-phase stamps of the attention kernel from debug libraries
 }
 
 attnab() {  # A/B of attention kernels on one machine, interleaved: scripts/attn_ab.py for the installed library
-  # and for each carried build/ab_NAME.so.xz (same C ABI; restored after), $AB_REPEAT times (default 2)
+  # and for each carried build/ab_NAME.so.xz (same C ABI; restored after), $AB_REPEAT times (default 2);
+  # AB_SCRIPT=select_ab.py: the selection kernels' cells instead (forecast_select, Quest select_blocks)
   say "attention A/B"
   local installed g name i; installed=$(installed_lib)
   cp "$installed" /tmp/lib_main.so
   for i in $(seq 1 ${AB_REPEAT:-2}); do
-    (cd /tmp && timeout 200 $PY "$ROOT/scripts/attn_ab.py" ${AB_ONLY:+--only $AB_ONLY} --json "$OUT/attnab_main_$i.json") >> "$OUT/attnab.log" 2>&1
+    (cd /tmp && timeout 200 $PY "$ROOT/scripts/${AB_SCRIPT:-attn_ab.py}" ${AB_ONLY:+--only $AB_ONLY} --json "$OUT/attnab_main_$i.json") >> "$OUT/attnab.log" 2>&1
     echo "main: exit $?"
     for g in build/ab_*.so.xz; do
       [ -e "$g" ] || continue
       name=$(basename "$g"); name=${name%.so.*}
-      unpack "$g" "$installed" && (cd /tmp && timeout 200 $PY "$ROOT/scripts/attn_ab.py" ${AB_ONLY:+--only $AB_ONLY} --json "$OUT/attnab_${name#ab_}_$i.json") >> "$OUT/attnab.log" 2>&1
+      unpack "$g" "$installed" && (cd /tmp && timeout 200 $PY "$ROOT/scripts/${AB_SCRIPT:-attn_ab.py}" ${AB_ONLY:+--only $AB_ONLY} --json "$OUT/attnab_${name#ab_}_$i.json") >> "$OUT/attnab.log" 2>&1
       echo "$name: exit $?"; cp /tmp/lib_main.so "$installed"
     done
   done

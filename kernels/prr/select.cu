@@ -321,16 +321,67 @@ struct MetaPiece<GVR_ELEM_E4M3> {
     static __device__ __forceinline__ void unpack(const Raw r, float (&f)[8]) { e4m3x8_to_f32(r, f); }
 };
 
-/* L = D / 8 lanes per block; DT: q's element type, MDT: meta's (DT or fp8 e4m3fn) */
+/* the score of block j from its metadata pieces (min mnr, max mxr; L lanes), written by the block's lane 0 */
 template <int DT, int MDT, int L>
-__global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_params p, int tiles)
+__device__ __forceinline__ void score_block(const gvr_block_scores_params &p, const float *qs, int GQ,
+                                            const typename MetaPiece<MDT>::Raw mnr, const typename MetaPiece<MDT>::Raw mxr,
+                                            int64_t j, int64_t nb, int c, int lane, float *out, float *raw)
+{
+    using MP = MetaPiece<MDT>;
+    constexpr int D = 8 * L;
+    const bool valid = j < nb; /* nb <= Nb */
+    int empty = c == 0 && MP::key0(mnr) > MP::key0(mxr);
+    empty = __shfl_sync(0xFFFFFFFFu, empty, lane & ~(L - 1));
+    float mn[8], mx[8];
+    MP::unpack(mnr, mn);
+    MP::unpack(mxr, mx);
+    float r = 0.f;
+    for (int g = 0; g < GQ; g++) {
+        const float4 qa = reinterpret_cast<const float4 *>(qs + g * D + c * 8)[0];
+        const float4 qb = reinterpret_cast<const float4 *>(qs + g * D + c * 8)[1];
+        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float a = __fmul_rn(qv[i], mx[i]), z = __fmul_rn(qv[i], mn[i]);
+            const float t = (a > z || isnan(a)) ? a : z;
+            acc = i == 0 ? t : __fadd_rn(acc, t);
+        }
+#pragma unroll
+        for (int o = L / 2; o >= 1; o /= 2)
+            acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, o));
+        if (g == 0)
+            r = acc;
+        else if (p.group_reduce == GVR_GROUP_SUM)
+            r = __fadd_rn(r, acc);
+        else
+            r = (acc > r || isnan(acc)) ? acc : r;
+    }
+    if (j < p.Nb && c == 0) {
+        const float unforced = (!valid || empty) ? -f_inf() : r;
+        const bool keep = valid && !empty && (j < p.keep_first || j >= nb - p.keep_last);
+        out[j] = keep ? f_inf() : unforced;
+        if (raw)
+            raw[j] = unforced;
+    }
+}
+
+/* L = D / 8 lanes per block; DT: q's element type, MDT: meta's (DT or fp8 e4m3fn); SAME: min and max are one
+ * tensor (forecast_select's compressed keys, a stride-0 view): one load per piece, and the pieces of all
+ * SC_PASSES_SAME passes loaded first, before the row length and q (a short-lived CTA with one piece per lane
+ * in flight reads ~1.7 TB/s at B 8). Quest's metadata (two pieces a block) keeps one pass in flight: more
+ * would cost occupancy (measured: 8% slower at B 8 with four). */
+constexpr int SC_PASSES_SAME = 8;
+template <int DT, int MDT, int L, bool SAME>
+__global__ void __launch_bounds__(SC_THREADS, SAME ? 4 : 5) scores_kernel(gvr_block_scores_params p, int tiles)
 {
     using MP = MetaPiece<MDT>;
     constexpr int MEB = MP::EB;
     pdl_enter();
     extern __shared__ float4 qsm4[];
     float *qs = reinterpret_cast<float *>(qsm4);
-    constexpr int D = 8 * L, BPW = 32 / L, BPC = (SC_THREADS / 32) * BPW, TILE = BPC * SC_PASSES;
+    constexpr int PASSES = SAME ? SC_PASSES_SAME : SC_PASSES;
+    constexpr int D = 8 * L, BPW = 32 / L, BPC = (SC_THREADS / 32) * BPW, TILE = BPC * PASSES;
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int c = lane % L, slot = warp * BPW + lane / L;
     const int GQ = p.Hq / p.Hkv;
@@ -341,6 +392,15 @@ __global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_par
         const int tile = (int)(it - row * tiles);
         const int64_t b = row / p.Hkv;
         const int h = (int)(row - b * p.Hkv);
+        typename MP::Raw w[SAME ? PASSES : 1];
+        if constexpr (SAME) { /* blocks j < Nb: allocated; those past the row's count are masked later */
+            const char *mrow = static_cast<const char *>(p.meta) + MEB * (b * p.meta_stride_b + h * p.meta_stride_h);
+#pragma unroll
+            for (int pass = 0; pass < PASSES; pass++) {
+                const int64_t j = (int64_t)tile * TILE + pass * BPC + slot;
+                w[pass] = j < p.Nb ? MP::load(mrow + MEB * (j * p.meta_stride_j + c * 8)) : MP::zero();
+            }
+        }
         const int64_t len = p.lengths ? (int64_t)max(p.lengths[b], 0) : W - 1 + (int64_t)p.Nb * G;
         const int64_t nb = len >= W ? min((len - W) / G + 1, (int64_t)p.Nb) : 0;
         if (p.counts && tile == 0 && tid == 0)
@@ -352,66 +412,46 @@ __global__ void __launch_bounds__(SC_THREADS) scores_kernel(gvr_block_scores_par
             qs[i] = to_float<DT>(q[g * p.q_stride_h + d]);
         }
         __syncthreads();
-        const char *mrow = static_cast<const char *>(p.meta) + MEB * (b * p.meta_stride_b + h * p.meta_stride_h);
         float *out = p.scores + b * p.scores_stride_b + h * p.scores_stride_h;
         float *raw = p.raw_scores ? p.raw_scores + b * p.raw_stride_b + h * p.raw_stride_h : nullptr;
+        if constexpr (SAME) {
+#pragma unroll
+            for (int pass = 0; pass < PASSES; pass++)
+                score_block<DT, MDT, L>(p, qs, GQ, w[pass], w[pass], (int64_t)tile * TILE + pass * BPC + slot, nb,
+                                        c, lane, out, raw);
+        } else {
+            const char *mrow = static_cast<const char *>(p.meta) + MEB * (b * p.meta_stride_b + h * p.meta_stride_h);
 #pragma unroll 1
-        for (int pass = 0; pass < SC_PASSES; pass++) {
-            const int64_t j = (int64_t)tile * TILE + pass * BPC + slot;
-            const bool valid = j < nb; /* nb <= Nb */
-            typename MP::Raw wmn = MP::zero(), wmx = wmn;
-            if (valid) {
-                const char *m0 = mrow + MEB * (j * p.meta_stride_j + c * 8);
-                wmn = MP::load(m0);
-                wmx = MP::load(m0 + MEB * p.meta_stride_m);
-            }
-            int empty = c == 0 && MP::key0(wmn) > MP::key0(wmx);
-            empty = __shfl_sync(0xFFFFFFFFu, empty, lane & ~(L - 1));
-            float mn[8], mx[8];
-            MP::unpack(wmn, mn);
-            MP::unpack(wmx, mx);
-            float r = 0.f;
-            for (int g = 0; g < GQ; g++) {
-                const float4 qa = reinterpret_cast<const float4 *>(qs + g * D + c * 8)[0];
-                const float4 qb = reinterpret_cast<const float4 *>(qs + g * D + c * 8)[1];
-                const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-                float acc = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const float a = __fmul_rn(qv[i], mx[i]), z = __fmul_rn(qv[i], mn[i]);
-                    const float t = (a > z || isnan(a)) ? a : z;
-                    acc = i == 0 ? t : __fadd_rn(acc, t);
+            for (int pass = 0; pass < PASSES; pass++) {
+                const int64_t j = (int64_t)tile * TILE + pass * BPC + slot;
+                typename MP::Raw wmn = MP::zero(), wmx = wmn;
+                if (j < nb) {
+                    const char *m0 = mrow + MEB * (j * p.meta_stride_j + c * 8);
+                    wmn = MP::load(m0);
+                    wmx = MP::load(m0 + MEB * p.meta_stride_m);
                 }
-#pragma unroll
-                for (int o = L / 2; o >= 1; o /= 2)
-                    acc = __fadd_rn(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, o));
-                if (g == 0)
-                    r = acc;
-                else if (p.group_reduce == GVR_GROUP_SUM)
-                    r = __fadd_rn(r, acc);
-                else
-                    r = (acc > r || isnan(acc)) ? acc : r;
-            }
-            if (j < p.Nb && c == 0) {
-                const float unforced = (!valid || empty) ? -f_inf() : r;
-                const bool keep = valid && !empty && (j < p.keep_first || j >= nb - p.keep_last);
-                out[j] = keep ? f_inf() : unforced;
-                if (raw)
-                    raw[j] = unforced;
+                score_block<DT, MDT, L>(p, qs, GQ, wmn, wmx, j, nb, c, lane, out, raw);
             }
         }
     }
 }
 
-template <int DT, int MDT, int L>
-cudaError_t scores_launch(const gvr_block_scores_params *p, cudaStream_t stream)
+template <int DT, int MDT, int L, bool SAME>
+cudaError_t scores_launch_as(const gvr_block_scores_params *p, cudaStream_t stream)
 {
-    constexpr int BPC = (SC_THREADS / 32) * (32 / L), TILE = BPC * SC_PASSES;
+    constexpr int BPC = (SC_THREADS / 32) * (32 / L), TILE = BPC * (SAME ? SC_PASSES_SAME : SC_PASSES);
     const int tiles = (p->Nb + TILE - 1) / TILE;
     const int64_t ctas = (int64_t)p->B * p->Hkv * tiles;
     const size_t smem = (size_t)(p->Hq / p->Hkv) * 8 * L * sizeof(float);
     LaunchConfig lc(ctas > MAX_GRID ? MAX_GRID : (unsigned)ctas, SC_THREADS, 0, smem, stream);
-    return cudaLaunchKernelEx(&lc.cfg, scores_kernel<DT, MDT, L>, *p, tiles);
+    return cudaLaunchKernelEx(&lc.cfg, scores_kernel<DT, MDT, L, SAME>, *p, tiles);
+}
+
+template <int DT, int MDT, int L>
+cudaError_t scores_launch(const gvr_block_scores_params *p, cudaStream_t stream)
+{
+    return p->meta_stride_m == 0 ? scores_launch_as<DT, MDT, L, true>(p, stream)
+                                 : scores_launch_as<DT, MDT, L, false>(p, stream);
 }
 
 } // namespace
