@@ -33,7 +33,7 @@
 #   fp8all   every fp8 GPU test: attention, PRR selection and runtime, SparDA prefetch and compressed keys
 #   attnab   A/B of attention kernels: scripts/attn_ab.py for the installed library and each carried build/ab_NAME.so.xz
 #   attnprofile  scripts/profile_attention_phases.py with -DGVR_PROFILE libraries carried as build/prof_NAME.so.xz
-#   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases
+#   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases (prrsan, spardasan: on theirs)
 #   calib    the EMA calibration on CUDA: its GPU tests and its time (T 4096 x Nb 2048, k 64)
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
@@ -445,6 +445,8 @@ for mode in "${@:-check}"; do
     attnprofile) attnprofile ;;
     attnab) attnab ;;
     attnsan) sanitize attention ;;
+    prrsan) sanitize prr ;;
+    spardasan) sanitize sparda ;;
     fp8) fp8 ;;
     fp8bench) fp8bench ;;
     fp8all) fp8all ;;

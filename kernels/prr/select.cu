@@ -369,9 +369,10 @@ __device__ __forceinline__ void score_block(const gvr_block_scores_params &p, co
 /* L = D / 8 lanes per block; DT: q's element type, MDT: meta's (DT or fp8 e4m3fn); SAME: min and max are one
  * tensor (forecast_select's compressed keys, a stride-0 view): one load per piece, and the pieces of all
  * SC_PASSES_SAME passes loaded first, before the row length and q (a short-lived CTA with one piece per lane
- * in flight reads ~1.7 TB/s at B 8). Quest's metadata (two pieces a block) keeps one pass in flight: more
- * would cost occupancy (measured: 8% slower at B 8 with four). */
+ * in flight reads ~1.7 TB/s at B 8). Quest's metadata (two pieces a block): QA passes in flight, loaded after
+ * q, within 48 registers (five CTAs an SM; more passes ahead cost occupancy: measured slower). */
 constexpr int SC_PASSES_SAME = 8;
+constexpr int QA = 2; /* Quest: passes whose pieces are loaded together (2: -3% at B 8 within 48 registers; 4: slower) */
 template <int DT, int MDT, int L, bool SAME>
 __global__ void __launch_bounds__(SC_THREADS, SAME ? 4 : 5) scores_kernel(gvr_block_scores_params p, int tiles)
 {
@@ -422,15 +423,22 @@ __global__ void __launch_bounds__(SC_THREADS, SAME ? 4 : 5) scores_kernel(gvr_bl
         } else {
             const char *mrow = static_cast<const char *>(p.meta) + MEB * (b * p.meta_stride_b + h * p.meta_stride_h);
 #pragma unroll 1
-            for (int pass = 0; pass < PASSES; pass++) {
-                const int64_t j = (int64_t)tile * TILE + pass * BPC + slot;
-                typename MP::Raw wmn = MP::zero(), wmx = wmn;
-                if (j < nb) {
-                    const char *m0 = mrow + MEB * (j * p.meta_stride_j + c * 8);
-                    wmn = MP::load(m0);
-                    wmx = MP::load(m0 + MEB * p.meta_stride_m);
+            for (int p0 = 0; p0 < PASSES; p0 += QA) {
+                typename MP::Raw wmn[QA], wmx[QA];
+#pragma unroll
+                for (int a = 0; a < QA; a++) {
+                    const int64_t j = (int64_t)tile * TILE + (p0 + a) * BPC + slot;
+                    wmn[a] = wmx[a] = MP::zero();
+                    if (j < nb) {
+                        const char *m0 = mrow + MEB * (j * p.meta_stride_j + c * 8);
+                        wmn[a] = MP::load(m0);
+                        wmx[a] = MP::load(m0 + MEB * p.meta_stride_m);
+                    }
                 }
-                score_block<DT, MDT, L>(p, qs, GQ, wmn, wmx, j, nb, c, lane, out, raw);
+#pragma unroll
+                for (int a = 0; a < QA; a++)
+                    score_block<DT, MDT, L>(p, qs, GQ, wmn[a], wmx[a], (int64_t)tile * TILE + (p0 + a) * BPC + slot, nb,
+                                            c, lane, out, raw);
             }
         }
     }
