@@ -38,7 +38,7 @@
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
-#   ncu      Nsight Compute on the B=1 attention cells (1K, 4K, 8K tokens)
+#   ncu      Nsight Compute on the B=1 attention cells (1K, 4K, 8K tokens); planncu: on the prefetch's plan kernel
 #   floor    scripts/latency_floor.py: minimal kernels of the B=1 cells' grids and memory chains vs gvr (CuPy)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
 #            benchmarks/bench_attention.py -> $OUT/results_attention_cuda.json, RESULTS_attention_cuda.md, .log
@@ -405,6 +405,32 @@ ncu_b1() {  # Nsight Compute on the B=1 cells of 1K, 4K and 8K tokens (NCU_TOKEN
   done
 }
 
+planncu() {  # Nsight Compute on the prefetch's plan kernel (scripts/plan_ncu.py: the pipeline's shape)
+  say "ncu plan kernel"
+  (cd /tmp && timeout 150 ncu -k regex:plan_kernel --launch-skip 3 --launch-count 1 --set full --import-source yes \
+    -o "$OUT/plan" $PY "$ROOT/scripts/plan_ncu.py") > "$OUT/ncu_plan.log" 2>&1
+  echo "exit $?"
+  ncu -i "$OUT/plan.ncu-rep" --page details > "$OUT/ncu_plan_details.txt" 2>&1
+  grep -E "Duration|Elapsed Cycles|Registers|Achieved Occupancy|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Executed Ipc|DRAM Throughput" "$OUT/ncu_plan_details.txt" | head -30
+  ncu -i "$OUT/plan.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_plan_sass.csv" 2>&1
+  $PY - "$OUT/ncu_plan_sass.csv" <<'PYEOF'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+hdr = next((i for i, r in enumerate(rows) if "Source" in r), None)
+if hdr is None:
+    print("no source table"); sys.exit()
+h = rows[hdr]
+col = lambda name: next((i for i, c in enumerate(h) if c.startswith(name)), None)
+src, samp = col("Source"), col("Warp Stall Sampling (All")
+if samp is None:
+    print("columns:", h[:20]); sys.exit()
+body = [r for r in rows[hdr + 1:] if len(r) > max(src, samp)]
+tot = sum(float(r[samp] or 0) for r in body) or 1
+for r in sorted(body, key=lambda r: -float(r[samp] or 0))[:25]:
+    print(f"{100 * float(r[samp] or 0) / tot:5.1f}%  {r[src][:110]}")
+PYEOF
+}
+
 floor() {  # the B=1 attention cells' floors: empty / load-chain / chain + merge kernels beside gvr
   say "latency floor (B=1 cells)"
   (cd /tmp && timeout 400 $PY "$ROOT/scripts/latency_floor.py" --json "$OUT/latency_floor.json") 2>&1 | tee "$OUT/latency_floor.log" | tail -10
@@ -420,6 +446,7 @@ for mode in "${@:-check}"; do
     attntests) attntests ;;
     attnquick) attnquick ;;
     ncu) ncu_b1 ;;
+    planncu) planncu ;;
     floor) floor ;;
     prrbench) prrbench ;;
     prrprof) prrprof ;;

@@ -66,9 +66,25 @@ __device__ __forceinline__ int32_t page_of(const gvr_prefetch_params &p, long lo
     return pg >= 0 && pg < p.num_pages ? (int32_t)pg : -1;
 }
 
+/* row b and block j of the row-major block number lin = b * M + j: 32-bit division when both fit (a
+ * 64-bit division is a ~70-instruction call; the plan's loops did four per thread) */
+__device__ __forceinline__ void split_lin(long long lin, long long M, long long &b, long long &j)
+{
+    if (((unsigned long long)lin | (unsigned long long)M) <= 0xFFFFFFFFull) {
+        const uint32_t l = (uint32_t)lin, m = (uint32_t)M, q = l / m;
+        b = q;
+        j = l - q * m;
+    } else {
+        b = lin / M;
+        j = lin - b * M;
+    }
+}
+
 __device__ __forceinline__ int32_t *map_at(const gvr_prefetch_params &p, long long lin)
 {
-    return p.slot_map + (lin / p.max_pages) * p.map_stride_b + lin % p.max_pages;
+    long long b, j;
+    split_lin(lin, p.max_pages, b, j);
+    return p.slot_map + b * p.map_stride_b + j;
 }
 
 constexpr int32_t KEPT = -2; /* claim[s] of a slot its needed owner keeps */
@@ -98,7 +114,9 @@ __device__ __forceinline__ int plan_policy(const gvr_prefetch_params &p, const W
     /* 2. needed blocks */
     const long long per_row = (long long)p.Hsel * p.n;
     for (long long e = t; e < entries; e += PLAN_THREADS) {
-        const long long b = e / per_row, r = e % per_row, h = r / p.n, i = r % p.n;
+        long long b, r, h, i;
+        split_lin(e, per_row, b, r);
+        split_lin(r, p.n, h, i);
         const int32_t j = p.indices[b * p.ix_stride_b + h * p.ix_stride_h + i];
         if (j >= 0 && j < M && page_of(p, b, j) >= 0) {
             const long long lin = b * M + j;
@@ -108,8 +126,9 @@ __device__ __forceinline__ int plan_policy(const gvr_prefetch_params &p, const W
     /* 3. owners: the first claim in row-major order */
     if (p.resident)
         for (long long lin = t; lin < total; lin += PLAN_THREADS) {
-            const long long b = lin / M;
-            const int32_t j = (int32_t)(lin % M), r = p.resident[b * p.res_stride_b + j];
+            long long b, jj;
+            split_lin(lin, M, b, jj);
+            const int32_t j = (int32_t)jj, r = p.resident[b * p.res_stride_b + j];
             if (r >= 0 && r < S && page_of(p, b, j) >= 0)
                 atomicMin(&w.claim[r], (int32_t)lin);
         }
@@ -154,8 +173,10 @@ __device__ __forceinline__ int plan_policy(const gvr_prefetch_params &p, const W
         for (int r = moved + rank; bits; bits &= bits - 1, r++) {
             const long long lin = i * 32 + __ffs(bits) - 1;
             const int32_t s = w.order[r]; /* r < nfree: S covers the needed blocks (the intake) */
-            *map_at(p, lin) = s;
-            w.moves[2 * r] = page_of(p, lin / M, (int32_t)(lin % M));
+            long long b, j;
+            split_lin(lin, M, b, j);
+            p.slot_map[b * p.map_stride_b + j] = s;
+            w.moves[2 * r] = page_of(p, b, (int32_t)j);
             w.moves[2 * r + 1] = s;
         }
         moved += sum;
