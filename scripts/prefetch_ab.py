@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A/B timing of gvr.sparda.prefetch at the pipelines' shape (B 1, 2048 logical blocks of 64 tokens, Hkv 8,
-D 128, bf16, 64 staging pages, 32 selected blocks): graphs of 10 calls alternating two selections with the
+D 128, bf16, 32 selected blocks, 32 staging pages): graphs of 10 calls alternating two selections with the
 slot maps fed back (resident=), so that each call moves the same blocks -- 0 (one selection), 10 or 32 (two
 disjoint ones) -- by method (tma, kernel); warm and cold (bench_attention's cold_graph). µs per call,
 medians. `AB_SCRIPT=prefetch_ab.py gpu_check.sh attnab` runs it for the installed library and each library
@@ -31,7 +31,9 @@ def main():
     dev = torch.device("cuda")
     timer = H.CudaTimer(torch)
     args = types.SimpleNamespace(graph_calls=10, reps=a.reps)
-    pages, P, Hkv, D, k, S = 2048, 64, 8, 128, 32, 64
+    pages, P, Hkv, D, k = 2048, 64, 8, 128, 32
+    S = k  # exactly the selection's pages: a block not selected is evicted, so each call moves what it says
+    # (with spare pages the slot policy retains both alternating selections and nothing moves)
     cache = gvr.sparda.HostKVCache(1, pages, P, Hkv, D, torch.bfloat16, device="cuda")
     dk = torch.empty((S, P, Hkv, D), dtype=torch.bfloat16, device=dev)
     dv = torch.empty_like(dk)
