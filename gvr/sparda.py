@@ -164,7 +164,9 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
     lengths[b]`` (Nc must cover every valid window). Score of window j: ``F[b, h] . ktilde[b, h, j]``
     (float32 accumulation, the order of ``gvr.prr.block_scores``); then the Top-k (``gvr.topk_decode``:
     ties to the lower id) with the first ``init_blocks`` and the last ``local_blocks`` valid windows always
-    among them (when k allows), -1 padding -- one kernel chain, no host round trip. With ``kernel ==
+    among them (when k allows), -1 padding -- one kernel chain, no host round trip (on CUDA two kernels: the
+    scores, which count each row's windows from ``lengths`` themselves, then the Top-K; host lengths must
+    be >= 0, device ones are clamped). With ``kernel ==
     stride == G`` the ids are the ``G``-token blocks that ``gvr.sparse_attention(..., block_table=,
     block_size=G)`` takes. NumPy / torch CPU (C) and CUDA (float16 / bfloat16, D 64/128/256).
 
