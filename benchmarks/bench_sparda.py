@@ -257,11 +257,12 @@ def main():
 SHAPES = ((16, 8, 16), (32, 2, 4), (64, 1, 4), ("tma", 1), ("tma", 2), ("tma", 4), ("tma", 8))
 
 
-def shapes(gvr, torch, timer):
-    """the gather kernel's CTA shapes (CTAs, warps per CTA, 16-byte loads in flight per lane): gather time
-    (graph) of 32 and 512 64-token blocks, and the slowdown of a concurrent 8192^3 bf16 matmul while
-    512-block gathers run on a second stream; then an idle persistent Prefetcher of each shape (its CTAs
-    spinning, holding their registers) under the same matmul"""
+def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True):
+    """the gather kernel's CTA shapes (CTAs, warps per CTA, 16-byte loads in flight per lane; ("tma", CTAs)
+    for the bulk-copy gather): gather time (graph) of 32 and 512 64-token blocks, and the slowdown of a
+    concurrent 8192^3 bf16 matmul while 512-block gathers run on a second stream; then (idle_prefetcher) an
+    idle persistent Prefetcher of each shape (its CTAs spinning, holding their registers) under the same
+    matmul"""
     P, Hkv, D, pages = 64, 8, 128, 2048
     bf = torch.bfloat16
     dev = torch.device("cuda")
@@ -293,7 +294,7 @@ def shapes(gvr, torch, timer):
     sm = torch.empty((1, pages), dtype=torch.int32, device=dev)
     alone = mm_time()
     out = []
-    for shape in SHAPES:
+    for shape in shape_list:
         if shape[0] == "tma":  # the bulk-copy gather: one thread per CTA, 176 KiB of loads in flight each
             ctas, warps, loads = shape[1], 1, None
             kw = dict(max_ctas=ctas, method="tma")
@@ -324,7 +325,7 @@ def shapes(gvr, torch, timer):
               f"32 blocks {row['us_32']:.1f} us ({row['gbps_32']:.1f} GB/s), 512 blocks {row['us_512']:.0f} us "
               f"({row['gbps_512']:.1f} GB/s); matmul {alone:.0f} us alone, +{100 * row['matmul_slowdown']:.1f}% "
               f"under the gathers{'' if ok else ' MISMATCH'}", flush=True)
-    for ctas, warps, loads in ((16, 8, 16), (4, 1, 4)):
+    for ctas, warps, loads in ((16, 8, 16), (4, 1, 4)) if idle_prefetcher else ():
         torch.cuda.synchronize()
         pf = gvr.sparda.Prefetcher(staging_pages=32, batch=1, max_pages=pages, entries=32, ctas=ctas, cta_warps=warps,
                                    lane_loads=loads)

@@ -9,33 +9,23 @@ the installed library and for each library carried as build/ab_NAME.so.xz, inter
 
 --hnd: the caches stored head-major ([pages, Hkv, P, D], vLLM's HND) and passed as the permuted view
 [pages, P, Hkv, D] (no copy), so that a KV head's block is one contiguous 16 KiB run."""
-import argparse
-import json
 import math
-import os
 import sys
-import types
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+import _ab  # scripts/_ab.py: the command line and the timing loop of the A/B scripts
 
 HQ, HKV, D, P = 32, 8, 128, 64
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default=None)
-    ap.add_argument("--reps", type=int, default=20)
+    ap = _ab.parser(__doc__)
     ap.add_argument("--hnd", action="store_true", help="head-major caches (a permuted view)")
     a = ap.parse_args()
     import torch
     import gvr
-    import bench_attention as BA
     import _harness as H
     dev = torch.device("cuda")
     timer = H.CudaTimer(torch)
-    args = types.SimpleNamespace(graph_calls=10, reps=a.reps)
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = 1.0 / math.sqrt(D)
 
@@ -85,21 +75,7 @@ def main():
         "rep1": lambda: repair(1),
         "rep8": lambda: repair(8),
     }
-    only = set(a.only.split(",")) if a.only else None
-    res = {}
-    for name, make in cells.items():
-        if only and name not in only:
-            continue
-        fn = make()
-        fn()
-        torch.cuda.synchronize()
-        w = timer.graph(fn, args.graph_calls, args.reps)["median_us"]
-        c = BA.cold_graph(timer, fn, args)["median_us"]
-        res[name] = {"warm": w, "cold_g": c}
-        print(f"{name:9s} warm {w:7.2f}  cold_g {c:7.2f}", flush=True)
-    if a.json:
-        json.dump({"cells": res, "device": torch.cuda.get_device_name()}, open(a.json, "w"), indent=1)
-
+    _ab.run_cells(torch, timer, cells, a)
 
 if __name__ == "__main__":
     sys.exit(main())

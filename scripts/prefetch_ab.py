@@ -7,30 +7,19 @@ medians. `AB_SCRIPT=prefetch_ab.py gpu_check.sh attnab` runs it for the installe
 carried as build/ab_NAME.so.xz.
 
     python scripts/prefetch_ab.py [--json PATH] [--only NAME,NAME]"""
-import argparse
-import json
-import os
 import sys
-import types
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+import _ab  # scripts/_ab.py: the command line and the timing loop of the A/B scripts
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default=None)
-    ap.add_argument("--reps", type=int, default=20)
-    a = ap.parse_args()
+    a = _ab.parser(__doc__).parse_args()
     import torch
     import gvr
     import gvr.sparda  # noqa: F401
-    import bench_attention as BA
     import _harness as H
     dev = torch.device("cuda")
     timer = H.CudaTimer(torch)
-    args = types.SimpleNamespace(graph_calls=10, reps=a.reps)
     pages, P, Hkv, D, k = 2048, 64, 8, 128, 32
     S = k  # exactly the selection's pages: a block not selected is evicted, so each call moves what it says
     # (with spare pages the slot policy retains both alternating selections and nothing moves)
@@ -57,20 +46,9 @@ def main():
             call()
         return call
 
-    cells = {f"{m}_{method}": (m, method) for method in ("tma", "kernel") for m in (0, 10, 32)}
-    only = set(a.only.split(",")) if a.only else None
-    res = {}
-    for name, (m, method) in cells.items():
-        if only and name not in only:
-            continue
-        fn = cell(m, method)
-        torch.cuda.synchronize()
-        w = timer.graph(fn, args.graph_calls, args.reps)["median_us"]
-        c = BA.cold_graph(timer, fn, args)["median_us"]
-        res[name] = {"warm": w, "cold_g": c}
-        print(f"{name:12s} warm {w:7.2f}  cold_g {c:7.2f}", flush=True)
-    if a.json:
-        json.dump({"cells": res, "device": torch.cuda.get_device_name()}, open(a.json, "w"), indent=1)
+    cells = {f"{m}_{method}": (lambda m=m, method=method: cell(m, method))
+             for method in ("tma", "kernel") for m in (0, 10, 32)}
+    _ab.run_cells(torch, timer, cells, a)
     del dk, dv
     cache.close()
 

@@ -6,30 +6,19 @@ cold_graph). µs per call, medians. `AB_SCRIPT=select_ab.py gpu_check.sh attnab`
 and for each library carried as build/ab_NAME.so.xz, interleaved.
 
     python scripts/select_ab.py [--json PATH] [--only NAME,NAME]"""
-import argparse
-import json
-import os
 import sys
-import types
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+import _ab  # scripts/_ab.py: the command line and the timing loop of the A/B scripts
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default=None)
-    ap.add_argument("--reps", type=int, default=20)
-    a = ap.parse_args()
+    a = _ab.parser(__doc__).parse_args()
     import torch
     import gvr
     import gvr.sparda  # noqa: F401
-    import bench_attention as BA
     import _harness as H
     dev, bf = torch.device("cuda"), torch.bfloat16
     timer = H.CudaTimer(torch)
-    args = types.SimpleNamespace(graph_calls=10, reps=a.reps)
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def forecast(B, Hkv, Nc, kw, st, k, scores_only=False):
@@ -67,21 +56,7 @@ def main():
         "quest_B8": lambda: quest(8),
         "questscores_B8": lambda: quest(8, scores_only=True),
     }
-    only = set(a.only.split(",")) if a.only else None
-    res = {}
-    for name, make in cells.items():
-        if only and name not in only:
-            continue
-        fn = make()
-        fn()
-        torch.cuda.synchronize()
-        w = timer.graph(fn, args.graph_calls, args.reps)["median_us"]
-        c = BA.cold_graph(timer, fn, args)["median_us"]
-        res[name] = {"warm": w, "cold_g": c}
-        print(f"{name:18s} warm {w:7.2f}  cold_g {c:7.2f}", flush=True)
-    if a.json:
-        json.dump({"cells": res, "device": torch.cuda.get_device_name()}, open(a.json, "w"), indent=1)
-
+    _ab.run_cells(torch, timer, cells, a)
 
 if __name__ == "__main__":
     sys.exit(main())
