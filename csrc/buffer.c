@@ -150,6 +150,44 @@ static int from_numpy(PyArrayObject *arr, int writable, gvr_view *v)
     return 0;
 }
 
+/* The producer's own error while exporting obj (a sparse or meta torch tensor, say: BufferError or a
+ * ValueError that names no argument) as `type` naming the argument, the original as its __cause__. */
+static void rename_export_error(PyObject *type, const char *name, const char *what)
+{
+    if (PyErr_ExceptionMatches(PyExc_MemoryError) || PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
+        return;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyErr_NormalizeException(&et, &ev, &tb);
+    if (tb && ev)
+        PyException_SetTraceback(ev, tb);
+    PyObject *msg = ev ? PyObject_Str(ev) : NULL;
+    if (!msg) {
+        PyErr_Clear();
+        msg = PyUnicode_FromString("");
+    }
+    if (!msg) { /* out of memory: the original error stands */
+        PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+        return;
+    }
+    PyErr_Format(type, "'%s' %s (gvr takes strided CPU, CUDA or pinned-host arrays): %s: %U", name, what,
+                 et ? ((PyTypeObject *)et)->tp_name : "error", msg);
+    Py_DECREF(msg);
+    if (ev) {
+        PyObject *nt, *nv, *ntb;
+        PyErr_Fetch(&nt, &nv, &ntb);
+        PyErr_NormalizeException(&nt, &nv, &ntb);
+        if (nv)
+            PyException_SetCause(nv, ev); /* steals ev */
+        else
+            Py_DECREF(ev);
+        PyErr_Restore(nt, nv, ntb);
+    }
+    Py_XDECREF(et);
+    Py_XDECREF(tb);
+}
+
 int gvr_object_device(PyObject *obj, const char *name, gvr_device *dev, int *dev_id)
 {
     if (PyArray_Check(obj)) {
@@ -169,6 +207,8 @@ int gvr_object_device(PyObject *obj, const char *name, gvr_device *dev, int *dev
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError, "'%s' has __dlpack__ but no __dlpack_device__", name);
+        } else {
+            rename_export_error(PyExc_ValueError, name, "is on a device that DLPack cannot name");
         }
         return -1;
     }
@@ -289,8 +329,10 @@ static int from_dlpack(PyObject *obj, int writable, intptr_t stream, gvr_view *v
         return -1;
     cap = call_dlpack(obj, stream_obj);
     Py_DECREF(stream_obj);
-    if (!cap)
+    if (!cap) {
+        rename_export_error(PyExc_TypeError, v->name, "cannot be exported through DLPack");
         return -1;
+    }
     gvr_DLTensor *t;
     if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
         gvr_DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");

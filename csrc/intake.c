@@ -493,6 +493,37 @@ int gvr_view_extent(const gvr_view *v, uintptr_t *lo, uintptr_t *hi)
     return 1;
 }
 
+/* whether two elements of v may share bytes (a stride 0 over a dimension of 2 or more, say): each
+ * dimension's stride, in increasing order, must step past everything the smaller ones span --
+ * sufficient, and what every dense or sliced layout satisfies */
+static int view_self_overlaps(const gvr_view *v)
+{
+    int64_t st[GVR_VIEW_MAX_NDIM], sh[GVR_VIEW_MAX_NDIM];
+    int n = 0;
+    const int64_t size = v->itemsize ? v->itemsize : 1;
+    for (int i = 0; i < v->ndim && i < GVR_VIEW_MAX_NDIM; i++) {
+        if (v->shape[i] == 0)
+            return 0;
+        if (v->shape[i] == 1)
+            continue;
+        const int64_t s = v->strides[i] < 0 ? -v->strides[i] : v->strides[i];
+        int j = n++;
+        for (; j > 0 && st[j - 1] > s; j--) {
+            st[j] = st[j - 1];
+            sh[j] = sh[j - 1];
+        }
+        st[j] = s;
+        sh[j] = v->shape[i];
+    }
+    int64_t span = size; /* bytes covered by the dimensions so far */
+    for (int i = 0; i < n; i++) {
+        if (st[i] * size < span)
+            return 1;
+        span = st[i] * size * (sh[i] - 1) + span;
+    }
+    return 0;
+}
+
 int gvr_views_overlap(const gvr_view *a, const gvr_view *b)
 {
     /* cpu and pinned host memory share one address space; each CUDA device has its own */
@@ -525,7 +556,13 @@ static int allocate(const gvr_spec *spec, const gvr_arg_spec *a, int ai, gvr_int
             PyErr_Format(PyExc_SystemError, "gvr: '%s' cannot be allocated: %s is unknown", a->name, f->name[i]);
             return -1;
         }
-        shape[i] = (npy_intp)(d ? d->value : f->lit[i]);
+        const int64_t n = d ? d->value : f->lit[i];
+        if (n > INT32_MAX) { /* every operator indexes with int32: refused before any allocation */
+            PyErr_Format(PyExc_ValueError, "'%s' would have %s = %lld along one dimension, more than int32 indices "
+                         "address (%d)", a->name, f->name[i][0] ? f->name[i] : "a size", (long long)n, INT32_MAX);
+            return -1;
+        }
+        shape[i] = (npy_intp)n;
     }
     int type = NPY_FLOAT32;
     for (int d = 1; d < GVR_DTYPE_COUNT; d++)
@@ -612,6 +649,16 @@ int gvr_intake_run(gvr_intake *in, const gvr_spec *spec, PyObject *const *objs, 
     for (int i = 0; i < spec->nargs; i++) {
         if (!in->given[i] || !(spec->args[i].flags & GVR_OUTPUT) || in->allocated[i])
             continue;
+        if (view_self_overlaps(&in->view[i])) {
+            char buf[24 * GVR_VIEW_MAX_NDIM + 4];
+            int at = 0;
+            for (int d = 0; d < in->view[i].ndim && d < GVR_VIEW_MAX_NDIM; d++)
+                at += snprintf(buf + at, sizeof buf - (size_t)at, "%s%lld", d ? ", " : "",
+                               (long long)in->view[i].strides[d]);
+            PyErr_Format(PyExc_ValueError, "'%s' must not have elements that overlap each other (an output), got "
+                         "strides (%s) in elements", spec->args[i].name, buf);
+            return -1;
+        }
         for (int j = 0; j < spec->nargs; j++)
             if (j != i && in->given[j] && gvr_views_overlap(&in->view[i], &in->view[j])) {
                 PyErr_Format(PyExc_ValueError, "'%s' must not overlap '%s'", spec->args[i].name,

@@ -412,6 +412,15 @@ PyObject *gvr_py_sparda_prefetch(PyObject *self, PyObject *args, PyObject *kwds)
                         "slot maps and alternate them)");
         goto fail;
     }
+    { /* what the call writes against what it reads, across the three intakes (each checks its own) */
+        const gvr_view *written[] = {dk, dv, map, cnt, ws}, *read[] = {hk, hv, ix, bt, res};
+        for (int i = 0; i < 5; i++)
+            for (int j = 0; j < 5; j++)
+                if (gvr_views_overlap(written[i], read[j])) {
+                    PyErr_Format(PyExc_ValueError, "'%s' must not overlap '%s'", written[i]->name, read[j]->name);
+                    goto fail;
+                }
+    }
     gvr_prefetch_params p;
     memset(&p, 0, sizeof p);
     const int64_t isz = hk->itemsize;
@@ -634,6 +643,15 @@ PyObject *gvr_py_sparda_kv_store(PyObject *self, PyObject *args, PyObject *kwds)
     if (ck->dtype != k->dtype || cv->dtype != k->dtype) {
         PyErr_Format(PyExc_TypeError, "'k' must be %s like the cache, got %s", ck->dtype_str, k->dtype_str);
         goto fail;
+    }
+    { /* new tokens read out of the cache itself would be overwritten while they are read */
+        const gvr_view *read[] = {k, v, sl};
+        for (int i = 0; i < 3; i++)
+            if (gvr_views_overlap(read[i], ck) || gvr_views_overlap(read[i], cv)) {
+                PyErr_Format(PyExc_ValueError, "'%s' must not overlap the layer's cache (copy the tokens first)",
+                             read[i]->name);
+                goto fail;
+            }
     }
     gvr_kv_store_params p;
     memset(&p, 0, sizeof p);

@@ -66,6 +66,17 @@ def _check_int(name, v, lo=1):
     return int(v)
 
 
+def _int32_list(name, v):
+    """a list or tuple of ints as an int32 array: non-integers and values past int32 named (np.asarray
+    would truncate 4.9 to 4, or raise an OverflowError naming nothing)"""
+    a = np.asarray(v)
+    if a.dtype == bool or (a.size and not np.issubdtype(a.dtype, np.integer)):
+        raise TypeError(f"'{name}' must hold ints, got {a.dtype} values")
+    if a.size and (a.min() < -2**31 or a.max() > 2**31 - 1):
+        raise ValueError(f"'{name}' values must fit in int32, got {a.min()}..{a.max()}")
+    return a.astype(np.int32)
+
+
 def _check_i32(name, v, lo):
     """an int in [lo, 2^31 - 1] (the kernels' int32)"""
     v = _check_int(name, v, lo)
@@ -248,7 +259,7 @@ class EMAPredictor:
         if self.device == "cpu":
             if not (_is_torch(nblocks) or isinstance(nblocks, np.ndarray)):
                 if isinstance(nblocks, (list, tuple)):
-                    nblocks = np.asarray(nblocks, dtype=np.int32)
+                    nblocks = _int32_list("nblocks", nblocks)
                 else:
                     raise TypeError(f"'nblocks' must be an int32 array [B], got {type(nblocks).__name__}")
             if _is_torch(nblocks) and nblocks.is_cuda:
@@ -339,7 +350,7 @@ class EMAPredictor:
         (nblocks then holds token counts). out: a C-contiguous int32 ``[B, Hkv, num_blocks]`` to write
         into (required for allocation-free, graph-safe calls); allocated otherwise (NumPy, or torch in
         nblocks' framework and device)."""
-        k = _check_int("num_blocks", num_blocks, lo=0)
+        k = _check_i32("num_blocks", num_blocks, 0)  # before anything is allocated
         _check_counts(block_size, keep_first, keep_last)
         nblocks, B = self._nblocks(nblocks)
         H = self.Hkv

@@ -105,6 +105,12 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
         topk_decode(_new(q, fw, (1, 1), "float32"), k)
         raise TypeError(f"{name}: 'meta' must be [B, Hkv, Nb, 2, D] and 'k' an int >= 0")
     B, Hkv, Nb = ms[:3]
+    if kk > 2**31 - 1:  # before [B, Hkv, k] is allocated
+        raise ValueError(f"{name}: 'k' must be at most 2147483647, got {kk}")
+    if out is not None:  # (scores_out is checked against the inputs by the scores intake)
+        for other, arr in (("scores_out", scores_out), ("q", q), ("meta", meta), ("lengths", lengths)):
+            if arr is not None and _overlap(out, arr):
+                raise ValueError(f"{name}: 'out' must not overlap '{other}'")
     if out is not None:  # named before anything is written (scores_out included)
         osh = _shape(out)
         if osh is None:
@@ -125,6 +131,28 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
         _copy_into(out, res, fw)
         return out
     return res
+
+
+def _overlap(a, b):
+    """whether two arrays' byte ranges meet: torch tensors on one device, or NumPy arrays (others:
+    False; gvr._C checks devices)"""
+    if hasattr(a, "data_ptr") and hasattr(b, "data_ptr"):
+        if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+            return False
+        (alo, ahi), (blo, bhi) = _torch_range(a), _torch_range(b)
+        return alo < bhi and blo < ahi
+    if hasattr(a, "__array_interface__") and hasattr(b, "__array_interface__"):
+        import numpy as np
+        return bool(np.may_share_memory(a, b))
+    return False
+
+
+def _torch_range(x):
+    lo = hi = x.data_ptr()
+    for n, st in zip(x.shape, x.stride()):
+        span = (n - 1) * st * x.element_size()
+        lo, hi = (lo + span, hi) if span < 0 else (lo, hi + span)
+    return lo, hi + x.element_size()
 
 
 def _contiguous(x, fw):

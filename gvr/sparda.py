@@ -9,6 +9,8 @@ memory, ``HostKVCache``, ``prefetch`` of the selected blocks into a GPU staging 
 """
 from __future__ import annotations
 
+import numbers
+
 from . import _C
 from ._interop import (
     _host_view, _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle, torch_if_loaded,
@@ -29,12 +31,29 @@ def _torch():
     return t
 
 
-def _check_int(name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, int):
+def _check_int(name, v, lo, hi=None):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # Python and NumPy ints
         raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"'{name}' must be >= {lo}, got {v}")
+    v = int(v)
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"'{name}' must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]") + f", got {v}")
     return v
+
+
+_I32_MAX = 2**31 - 1
+
+# forecast_select runs select_blocks' intake on a stride-0 metadata view of ktilde: its messages, in
+# forecast_select's own names
+_FORECAST_NAMES = (("[B, Hkv, Nb, 2, D]", "[B, Hkv, Nc, D]"), ("window - 1 + Nb * block_size", "kernel - 1 + Nc * stride"),
+                   ("'meta'", "'ktilde'"), ("'q'", "'F'"), ("'window'", "'kernel'"), ("'block_size'", "'stride'"),
+                   ("prr.block_scores", "sparda.forecast_select"), ("prr.select_blocks", "sparda.forecast_select"))
+
+
+def _forecast_error(e):
+    msg = str(e)
+    for a, b in _FORECAST_NAMES:
+        msg = msg.replace(a, b)
+    return type(e)(msg)
 
 
 def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=16, tau=1.0, eligible=None,
@@ -149,7 +168,8 @@ def _num_windows(lengths, kernel, stride):
     import numpy as np
     ln = np.asarray(lengths)
     if ln.dtype != np.int32:
-        raise TypeError(f"'lengths' must be int32 [B], got {ln.dtype}")
+        raise TypeError(f"'lengths' must be int32 [B], got {ln.dtype}"
+                        + ("" if hasattr(lengths, "dtype") else f" (from a {type(lengths).__name__})"))
     return np.maximum((ln.astype(np.int64) - kernel) // stride + 1, 0).astype(np.int32)
 
 
@@ -174,12 +194,20 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
     same tensor (a stride-0 view: no copy), over blocks of one "token" per window.
     """
     from ._prr_select import _run_select, select_blocks
-    kernel = _check_int("kernel", kernel, 1)
-    stride = _check_int("stride", stride, 1)
+    kernel = _check_int("kernel", kernel, 1, _I32_MAX)
+    stride = _check_int("stride", stride, 1, _I32_MAX)
     shape = getattr(ktilde, "shape", None)
-    if shape is None or len(shape) != 4:
-        raise ValueError(f"'ktilde' must be [B, Hkv, Nc, D], got {None if shape is None else list(shape)}")
+    if shape is None:
+        raise TypeError(f"'ktilde' must be an array [B, Hkv, Nc, D], got {type(ktilde).__name__}")
+    if len(shape) != 4:
+        raise ValueError(f"'ktilde' must be [B, Hkv, Nc, D], got {list(shape)}")
     B, H, Nc, D = (int(v) for v in shape)
+    fshape = getattr(F, "shape", None)
+    if fshape is None:
+        raise TypeError(f"'F' must be an array [B, Hkv, D], got {type(F).__name__}")
+    if tuple(int(v) for v in fshape) != (B, H, D):
+        raise ValueError(f"'F' must have shape [B, Hkv, D] = [{B}, {H}, {D}] (from 'ktilde' [B, Hkv, Nc, D]), got "
+                         f"{list(fshape)}")
     if type(ktilde).__module__.startswith("torch"):
         meta = ktilde.unsqueeze(3).expand(B, H, Nc, 2, D)
     else:
@@ -190,6 +218,7 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
     if compiling():  # the window counts by torch ops (inductor fuses them), then select_blocks' ops
         return select_blocks(F, meta, k, _num_windows(lengths, kernel, stride), block_size=1,
                              init_blocks=init_blocks, local_blocks=local_blocks, out=out, stream=stream)
+    k = _check_int("k", k, 0, _I32_MAX)  # before select_blocks allocates [B, Hkv, k]
     on_device = type(lengths).__module__.startswith("torch") and lengths.is_cuda
     if not on_device:  # host counts are checked here (device ones are clamped by the kernels)
         nwin = _num_windows(lengths, kernel, stride)
@@ -200,8 +229,11 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
                              f"'ktilde' holds (Nc = {Nc})")
     # the scores kernel counts the windows from the token counts itself (window = kernel, block_size =
     # stride): two kernels on the device (scores, Top-K), none before them
-    return _run_select(F, meta, k, lengths, stride, "max", init_blocks, local_blocks, out, stream,
-                       window=kernel, name="sparda.forecast_select")
+    try:
+        return _run_select(F, meta, k, lengths, stride, "max", init_blocks, local_blocks, out, stream,
+                           window=kernel, name="sparda.forecast_select")
+    except (ValueError, TypeError) as e:
+        raise _forecast_error(e) from None
 
 
 def _ckeys_shape(k_cache, block_table, kernel, stride):
@@ -215,11 +247,15 @@ def _ckeys_shape(k_cache, block_table, kernel, stride):
 
 def _run_ckeys(k_cache, block_table, end, start, out, kernel, stride, stream):
     """gvr._C.sparda_compressed_keys: build (start None) into out (allocated when None) or update out."""
-    kernel = _check_int("kernel", kernel, 1)
-    stride = _check_int("stride", stride, 1)
+    kernel = _check_int("kernel", kernel, 1, _I32_MAX)
+    stride = _check_int("stride", stride, 1, _I32_MAX)
     fw = framework(k_cache)
     if out is None:  # in k_cache's dtype; an fp8 cache's: bfloat16
-        out = _new(k_cache, fw, _ckeys_shape(k_cache, block_table, kernel, stride), _ckeys_dtype(k_cache))
+        shape = _ckeys_shape(k_cache, block_table, kernel, stride)
+        if shape is not None and max(shape) > _I32_MAX:
+            raise ValueError(f"sparda.compressed_keys: 'k_cache' and 'block_table' imply ktilde {list(shape)}, a dimension "
+                             f"past int32 (max_pages * P = {int(block_table.shape[1]) * int(k_cache.shape[1])} tokens)")
+        out = _new(k_cache, fw, shape, _ckeys_dtype(k_cache))
     # gvr._C's spec order (k_cache, block_table, end, start, ktilde): nosync's bits follow it
     (k, bt, e, s, o), stream, nosync = prepare(fw, k_cache, (k_cache, block_table, end, start, out), stream)
     _C.sparda_compressed_keys(k, bt, e, o, kernel, stride, s, stream, nosync)
@@ -328,13 +364,15 @@ class HostKVCache:
 
     def __init__(self, num_layers, num_pages, P, Hkv, D, dtype, *, device="cuda", layout="NHD"):
         import numpy as np
-        for name, v in (("num_layers", num_layers), ("num_pages", num_pages), ("P", P), ("Hkv", Hkv), ("D", D)):
-            _check_int(name, v, 1)
+        num_layers, num_pages, P, Hkv, D = (_check_int(name, v, 1, _I32_MAX) for name, v in (
+            ("num_layers", num_layers), ("num_pages", num_pages), ("P", P), ("Hkv", Hkv), ("D", D)))
         if layout not in ("NHD", "HND"):
             raise ValueError(f"'layout' must be 'NHD' or 'HND', got {layout!r}")
         dev = str(device)
         if dev != "cpu" and not dev.startswith("cuda"):
             raise ValueError(f"'device' must be 'cuda', 'cuda:N' or 'cpu', got {device!r}")
+        if dtype is None:
+            raise TypeError("'dtype' must be a NumPy or torch dtype, got None")
         self._torch = _torch_dtype(dtype)
         if self._torch:
             t = _torch()
@@ -353,10 +391,17 @@ class HostKVCache:
         self.num_layers, self.num_pages, self.P, self.Hkv, self.D = num_layers, num_pages, P, Hkv, D
         self.dtype, self.layout, self.device = dtype, layout, dev
         per = num_pages * P * Hkv * D * itemsize
+        if 2 * num_layers * per > 2**62:
+            raise ValueError(f"HostKVCache: 2 x num_layers x num_pages x P x Hkv x D x {itemsize} bytes = "
+                             f"{2 * num_layers * per} bytes is past what any host can hold")
         self._per = per
         if dev.startswith("cuda") and ":" in dev:
             self._set_device(int(dev.split(":")[1]))
-        self._buf = _C.HostBuffer(2 * num_layers * per, pinned=dev != "cpu")
+        try:
+            self._buf = _C.HostBuffer(2 * num_layers * per, pinned=dev != "cpu")
+        except MemoryError as e:
+            raise MemoryError(f"HostKVCache: {2 * num_layers * per} bytes of {'pinned ' if dev != 'cpu' else ''}host "
+                              f"memory could not be allocated" + (f" ({e})" if str(e) else "")) from None
         self.nbytes = 2 * num_layers * per
         self._views = [self._make(i) for i in range(2 * num_layers)]
 
@@ -391,7 +436,7 @@ class HostKVCache:
     def _check(self, layer):
         if self._views is None:
             raise ValueError("this HostKVCache is closed")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < self.num_layers:
             raise ValueError(f"'layer' must be an int in [0, {self.num_layers}), got {layer!r}")
 
     def k(self, layer):

@@ -25,11 +25,11 @@ def _out_shape(scores, k):
 
 
 def _flat_rows(scores, fw, row_starts):
-    """A flat scores buffer (``[N]`` or ``[1, N]``) with ``row_starts`` of B > 1 rows: the ``[B, N]`` view
-    of stride 0 over it (no copy), so every row reads the one buffer from its start."""
+    """A flat scores buffer (``[N]`` with ``row_starts`` of any B rows, or ``[1, N]`` with B > 1): the
+    ``[B, N]`` view of stride 0 over it (no copy), so every row reads the one buffer from its start."""
     rs = getattr(row_starts, "shape", None)
     sh = getattr(scores, "shape", None)
-    if rs is None or sh is None or len(rs) != 1 or int(rs[0]) <= 1 or not (len(sh) == 1 or (len(sh) == 2 and sh[0] == 1)):
+    if rs is None or sh is None or len(rs) != 1 or not (len(sh) == 1 or (len(sh) == 2 and sh[0] == 1 and int(rs[0]) > 1)):
         return scores
     B, N = int(rs[0]), int(sh[-1])
     row = scores.reshape(1, N)
@@ -60,7 +60,7 @@ def _impl(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n
 
 
 def _fake(scores, k, prev_topk, lengths, sorted, method, row_starts=None, next_n=1, max_length=None):
-    if row_starts is not None and row_starts.shape[0] > 1:
+    if row_starts is not None and (row_starts.shape[0] > 1 or scores.dim() == 1):  # as _flat_rows
         shape = (row_starts.shape[0], k)
     else:
         shape = (k,) if scores.dim() == 1 else (scores.shape[0], k)
@@ -154,7 +154,9 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
                ``[B, max_pages]`` (``[max_pages]`` for 1-D scores) block table of pages of
                ``page_size`` tokens (max_pages * page_size >= N), ``out`` receives the physical KV
                slots ``block_table[b, p // page_size] * page_size + p % page_size`` of the selected
-               positions p (-1 stays -1; a page < 0 gives -1; slots must fit in int32) -- what
+               positions p (-1 stays -1; a page < 0 gives -1; slots must fit in int32: a host
+               table whose pages overflow it is a ValueError, a CUDA table is not read by the
+               host and is the caller's contract, as page numbers past the cache are) -- what
                ``gvr.sparse_attention`` and FlashMLA take as token indices without a block table.
     out_positions: int32 like ``out``, with ``block_table`` only: receives the positions too (the
                next step's ``prev_topk``).

@@ -856,6 +856,24 @@ int topk_decode_cpu(const gvr_topk_params *p)
     return gvr_parallel_rows(p->B, work, topk_row_of, (void *)p);
 }
 
+int64_t topk_map_overflow_cpu(const gvr_topk_params *p, int64_t *page_index, int32_t *page)
+{
+    const int64_t P = p->page_size > 0 ? p->page_size : 1;
+    for (int64_t b = 0; p->block_table && b < p->B; b++) {
+        const int32_t *bt = p->block_table + b / per_req_div(p, GVR_TOPK_BT_PER_REQUEST) * p->bt_stride;
+        const int64_t L = row_len(p, b);
+        for (int64_t q = 0; q * P < L; q++) {
+            const int64_t last = (L - q * P < P ? L - q * P : P) - 1; /* the page's last position in the row */
+            if ((int64_t)bt[q] * P + last > INT32_MAX) {
+                *page_index = q;
+                *page = bt[q];
+                return b;
+            }
+        }
+    }
+    return -1;
+}
+
 void topk_map_cpu(const gvr_topk_params *p)
 {
     const int64_t P = p->page_size > 0 ? p->page_size : 1;

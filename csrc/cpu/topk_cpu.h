@@ -14,6 +14,9 @@ int topk_decode_cpu(const gvr_topk_params *p);
 /* The page-table transform of a finished result (gvr_kernels.h, gvr_topk_params.block_table): out's
  * positions -> physical slots, the positions into out_pos when given. */
 void topk_map_cpu(const gvr_topk_params *p);
+/* the first row b (-1: none) whose block table maps a position of the row (below its length) to a slot
+ * past INT32_MAX, with the page's index and entry */
+int64_t topk_map_overflow_cpu(const gvr_topk_params *p, int64_t *page_index, int32_t *page);
 
 /* Statistics of the calling thread's last row (for benchmarks and tests of the search itself). */
 typedef struct {
