@@ -13,7 +13,9 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
   resident  bytes moved with 60% of the selected blocks resident (resident= the previous slot map)
   shapes    the gather kernel's CTA shapes (CTAs x warps x 16-byte loads in flight per lane): GB/s of 32 and
             512 blocks (graph) and the slowdown of the concurrent matmul; an idle persistent Prefetcher's
-            slowdown of it (its CTAs hold their registers while they spin)
+            slowdown of it (its CTAs hold their registers while they spin); with --sm-carveout LIST, the
+            matmul under each shape's gathers with cuBLAS(Lt) kept off that many SMs (torch's experimental
+            carveout): slowdown against the default matmul alone
   pipeline  a 4-layer decode at 128K tokens (B 1, Hq 32, Hkv 8, D 128, P 64): per layer, forecast_select of
             the next layer's 32 blocks, their prefetch, sparse_attention over the staged blocks + the
             layer's matmuls -- "light": one 4096x28672 matmul (235 MB), "8b": a Llama-3-8B layer's QKV,
@@ -43,7 +45,7 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
             exposed = that graph's time - the GEMV's alone
 Every gather is checked byte for byte against the host pages. While a Prefetcher runs nothing allocates
 and nothing synchronizes the device. Usage: python benchmarks/bench_sparda.py [--json PATH] [--quick]
-[--only prefetcher|shapes|pipeline|fp8|pipefp8|pipeparts|select]
+[--only prefetcher|shapes|pipeline|fp8|pipefp8|pipeparts|select] [--sm-carveout 0,2,4] [--timeline PREFIX]
 """
 import argparse
 import os
@@ -66,6 +68,10 @@ def main():
     ap.add_argument("--timeline", default=None, metavar="PREFIX",
                     help="pipeparts: also one replay of each light pipeline's async3 (tma) graph under torch.profiler "
                          "-> PREFIX_light_KV.txt (kernels in time order, per stream) and .json (Chrome trace)")
+    ap.add_argument("--sm-carveout", default="", metavar="LIST",
+                    type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
+                    help="shapes: also the matmul under each shape's gathers with cuBLAS kept off this many SMs "
+                         "(comma-separated, e.g. 0,2,4; torch's experimental SM carveout with cuBLASLt)")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import gvr.sparda  # noqa: F401
@@ -78,7 +84,7 @@ def main():
         if args.only == "prefetcher":
             r = {"header": meta, "prefetcher": persistent(gvr, torch)}
         elif args.only == "shapes":
-            r = {"header": meta, "shapes": shapes(gvr, torch, timer)}
+            r = {"header": meta, "shapes": shapes(gvr, torch, timer, carveouts=args.sm_carveout)}
         elif args.only == "fp8":
             r = {"header": meta, "fp8": fp8_gathers(gvr, torch, timer)}
         elif args.only == "select":
@@ -257,12 +263,31 @@ def main():
 SHAPES = ((16, 8, 16), (32, 2, 4), (64, 1, 4), ("tma", 1), ("tma", 2), ("tma", 4), ("tma", 8))
 
 
-def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True):
+def _carveout(torch, c, backend=None):
+    """cuBLAS's SM carveout for torch's matmuls (torch._C._set_sm_carveout_experimental: cuBLASLt's
+    SM_COUNT_TARGET = SMs - c, read per call), with the cuBLASLt backend that honours it; c None: no
+    carveout and the BLAS backend set back to `backend`. Returns False where this torch has no carveout."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if setter is None:
+        return False
+    if c is None:
+        setter(None)
+        torch.backends.cuda.preferred_blas_library(backend)
+    else:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        setter(int(c))
+    return True
+
+
+def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True, carveouts=()):
     """the gather kernel's CTA shapes (CTAs, warps per CTA, 16-byte loads in flight per lane; ("tma", CTAs)
     for the bulk-copy gather): gather time (graph) of 32 and 512 64-token blocks, and the slowdown of a
     concurrent 8192^3 bf16 matmul while 512-block gathers run on a second stream; then (idle_prefetcher) an
     idle persistent Prefetcher of each shape (its CTAs spinning, holding their registers) under the same
-    matmul"""
+    matmul. carveouts: SM counts kept off the matmul (cuBLASLt's SM_COUNT_TARGET through torch's
+    experimental carveout), each measured after the default: the matmul alone with the carveout, and
+    under each shape's gathers -- its slowdown against the default matmul alone (what the user pays) and
+    against the carved matmul alone"""
     P, Hkv, D, pages = 64, 8, 128, 2048
     bf = torch.bfloat16
     dev = torch.device("cuda")
@@ -325,6 +350,33 @@ def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True):
               f"32 blocks {row['us_32']:.1f} us ({row['gbps_32']:.1f} GB/s), 512 blocks {row['us_512']:.0f} us "
               f"({row['gbps_512']:.1f} GB/s); matmul {alone:.0f} us alone, +{100 * row['matmul_slowdown']:.1f}% "
               f"under the gathers{'' if ok else ' MISMATCH'}", flush=True)
+    blas = torch.backends.cuda.preferred_blas_library()
+    for c in carveouts:
+        if not _carveout(torch, c):
+            print("carveout: this torch has no torch._C._set_sm_carveout_experimental; skipped", flush=True)
+            break
+        try:
+            torch.cuda.synchronize()
+            alone_c = mm_time()
+            print(f"carveout {c} SMs (cuBLASLt): matmul alone {alone_c:.0f} us ({100 * (alone_c / alone - 1):+.1f}% "
+                  f"against the default's {alone:.0f})", flush=True)
+            for shape in shape_list:
+                kw = (dict(max_ctas=shape[1], method="tma") if shape[0] == "tma" else
+                      dict(max_ctas=shape[0], cta_warps=shape[1], lane_loads=shape[2], method="kernel"))
+                torch.cuda.synchronize()
+                with torch.cuda.stream(side):
+                    for _ in range(40):
+                        gvr.sparda.prefetch(hk, hv, sels[512], *dst[512], slot_map_out=sm, stream=side, **kw)
+                with_g = mm_time()
+                torch.cuda.synchronize()
+                what = f"tma {shape[1]} CTAs" if shape[0] == "tma" else "kernel {} CTAs x {} warps x {} loads".format(*shape)
+                out.append({"carveout": c, "method": kw["method"], "ctas": kw["max_ctas"], "shape": list(shape),
+                            "matmul_alone_us": alone_c, "matmul_us": with_g, "matmul_slowdown": with_g / alone - 1.0,
+                            "matmul_slowdown_vs_carved": with_g / alone_c - 1.0})
+                print(f"carveout {c}: {what}: matmul {100 * (with_g / alone - 1):+.1f}% (against the carved matmul "
+                      f"alone {100 * (with_g / alone_c - 1):+.1f}%)", flush=True)
+        finally:
+            _carveout(torch, None, blas)
     for ctas, warps, loads in ((16, 8, 16), (4, 1, 4)) if idle_prefetcher else ():
         torch.cuda.synchronize()
         pf = gvr.sparda.Prefetcher(staging_pages=32, batch=1, max_pages=pages, entries=32, ctas=ctas, cta_warps=warps,

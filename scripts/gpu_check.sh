@@ -19,6 +19,8 @@
 #   gputests  every GPU test (check's first part); sanall: compute-sanitizer on every sanitize_case part
 #   topkragged  bench_page_table --only-ragged (row_starts vs per-row calls vs padding)
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
+#   spardacarveout  bench_sparda --only shapes --sm-carveout 0,1,2,4,8 (the matmul under the gathers with cuBLAS
+#              kept off that many SMs: issue 14's matmul-slowdown bar)
 #   spardafp8  bench_sparda --only fp8 (prefetch from an fp8 host cache vs a bfloat16 one)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   spardapipefp8  bench_sparda --only pipefp8 (the pipelines over fp8 host caches beside bfloat16 ones)
@@ -257,6 +259,13 @@ spardashapes() {  # bench_sparda --only shapes: the gather CTA shapes (bandwidth
     --json "$OUT/results_sparda_shapes.json") 2>&1 | tee "$OUT/bench_sparda_shapes.log" | tail -16
 }
 
+spardacarveout() {  # bench_sparda --only shapes with cuBLAS SM carveouts
+  say "bench_sparda --only shapes --sm-carveout 0,1,2,4,8"
+  (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only shapes \
+    --sm-carveout 0,1,2,4,8 --json "$OUT/results_sparda_carveout.json") 2>&1 | tee "$OUT/bench_sparda_carveout.log" \
+    | grep -E "carveout|matmul|shape" | tail -48
+}
+
 spardafp8() {  # bench_sparda --only fp8: prefetch from an fp8 host cache vs a bfloat16 one
   say "bench_sparda --only fp8"
   (cd /tmp && timeout -k 5 300 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only fp8 \
@@ -456,6 +465,7 @@ for mode in "${@:-check}"; do
     sparda) sparda ;;
     spardabench) spardabench ;;
     spardashapes) spardashapes ;;
+    spardacarveout) spardacarveout ;;
     topkragged) topkragged ;;
     gputests) gputests ;;
     prrfused) prrfused ;;
