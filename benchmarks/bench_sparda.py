@@ -71,7 +71,8 @@ def main():
     ap.add_argument("--sm-carveout", default="", metavar="LIST",
                     type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
                     help="shapes: also the matmul under each shape's gathers with cuBLAS kept off this many SMs "
-                         "(comma-separated, e.g. 0,2,4; torch's experimental SM carveout with cuBLASLt)")
+                         "(comma-separated, e.g. 0,2,4; torch's experimental SM carveout with cuBLASLt); pipeparts, "
+                         "pipefp8: each pipeline again with each carveout (the layers' GEMVs off those SMs)")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import gvr.sparda  # noqa: F401
@@ -90,13 +91,15 @@ def main():
         elif args.only == "select":
             r = {"header": meta, "select": selections(gvr, torch, timer)}
         elif args.only == "pipeparts":
-            r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, "light", prefetcher=False, kv=kv, parts=True,
-                                                        timeline=args.timeline and f"{args.timeline}_light_{kv}")
-                                               for kv in ("fp8", "bfloat16")]}
+            r = {"header": meta, "pipelines": [
+                _carved(torch, c, lambda: pipeline(gvr, torch, timer, "light", prefetcher=False, kv=kv, parts=True,
+                                                   timeline=args.timeline and c is None and f"{args.timeline}_light_{kv}"))
+                for kv in ("fp8", "bfloat16") for c in (None,) + args.sm_carveout]}
         elif args.only == "pipefp8":
-            r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay, prefetcher=False, kv=kv, priority=pr)
-                                               for lay in ("8b", "light") for kv in ("fp8", "bfloat16")
-                                               for pr in (0, -1)]}
+            r = {"header": meta, "pipelines": [
+                _carved(torch, c, lambda: pipeline(gvr, torch, timer, lay, prefetcher=False, kv=kv, priority=pr))
+                for lay in ("8b", "light") for kv in ("fp8", "bfloat16") for pr in (0, -1)
+                for c in (None,) + args.sm_carveout]}
         else:
             r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay) for lay in ("8b", "light")]}
         if args.json:
@@ -277,6 +280,23 @@ def _carveout(torch, c, backend=None):
         torch.backends.cuda.preferred_blas_library("cublaslt")
         setter(int(c))
     return True
+
+
+def _carved(torch, c, fn):
+    """fn() with cuBLAS kept off c SMs (None: as is); its result dict records the carveout"""
+    if c is None:
+        return fn()
+    blas = torch.backends.cuda.preferred_blas_library()
+    if not _carveout(torch, c):
+        print("carveout: this torch has no torch._C._set_sm_carveout_experimental; skipped", flush=True)
+        return None
+    print(f"-- cuBLAS(Lt) kept off {c} SMs:", flush=True)
+    try:
+        r = fn()
+        r["sm_carveout"] = c
+        return r
+    finally:
+        _carveout(torch, None, blas)
 
 
 def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True, carveouts=()):
