@@ -28,6 +28,7 @@
 #   spardapipefp8  bench_sparda --only pipefp8 (the pipelines over fp8 host caches beside bfloat16 ones)
 #   spardaparts  bench_sparda --only pipeparts (the light layer's pipeline with each half of the transfer alone)
 #   spardaselect  bench_sparda --only select (forecast_select alone and beside a GEMV: gvr, counts first, torch)
+#   topkedges  bench_topk_edges on CUDA: constant, masked, NaN, few-valued and tied rows, small k (gvr vs torch.topk)
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
@@ -316,6 +317,12 @@ topkquick() {  # the topk GPU tests, then the quick timing table (gvr with / wit
   (cd /tmp && timeout 300 $PY "$ROOT/scripts/quick_gpu_bench.py" --n 32768 65536 131072 262144 --json "$OUT/quick_topk.json") 2>&1 | tee "$OUT/quick_topk.log" | tail -30
 }
 
+topkedges() {  # topk_decode on constant / masked / NaN / few-valued / tied rows and small k (gvr vs torch.topk)
+  say "bench_topk_edges (cuda)"
+  (cd /tmp && timeout -k 5 300 $PY "$ROOT/benchmarks/bench_topk_edges.py" --device cuda --n 32768 131072 \
+    --k 1 8 64 2048 --batch 1 64 --json "$OUT/results_topk_edges_cuda.json") 2>&1 | tee "$OUT/topk_edges.log" | tail -70
+}
+
 profile() {  # per-phase clock stamps from debug libraries carried as build/prof_NAME.so.gz (or build/libprof.so.gz)
   local g name
   for g in build/prof_*.so.gz build/prof_*.so.xz build/libprof.so.gz; do
@@ -475,6 +482,7 @@ for mode in "${@:-check}"; do
     spardabench) spardabench ;;
     spardashapes) spardashapes ;;
     spardacarveout) spardacarveout ;;
+    topkedges) topkedges ;;
     spardapartscarve) spardapartscarve ;;
     topkragged) topkragged ;;
     gputests) gputests ;;
