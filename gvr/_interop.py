@@ -59,6 +59,27 @@ def _detach(x):
     return x.detach() if getattr(x, "requires_grad", False) else x
 
 
+def traced_out(out, value, name: str, func: str, dtypes=None):
+    """``out.copy_(value)`` for a traced call's ``out=`` (value: the op's result), with the checks eager
+    calls get from gvr._C's intake: a torch tensor of value's shape and device, and of value's dtype
+    (or one of ``dtypes``) -- copy_ would convert dtypes and broadcast shapes silently. None: value."""
+    if out is None:
+        return value
+    t = _torch_module()
+    if not isinstance(out, t.Tensor):
+        raise TypeError(f"{func}: '{name}' must be a torch tensor under torch.compile, got {type(out).__name__}")
+    ok = (value.dtype,) if dtypes is None else dtypes
+    if out.dtype not in ok:
+        raise TypeError(f"{func}: '{name}' must be {' or '.join(str(d).replace('torch.', '') for d in ok)}, got "
+                        f"{str(out.dtype).replace('torch.', '')}")
+    if out.dim() != value.dim() or any(a != b for a, b in zip(out.shape, value.shape)):
+        raise ValueError(f"{func}: '{name}' must have shape {list(value.shape)}, got {list(out.shape)}")
+    if out.device != value.device:
+        raise ValueError(f"{func}: '{name}' must be on {value.device}, got {out.device}")
+    out.copy_(value)
+    return out
+
+
 def is_cuda(x, fw: str) -> bool:
     return (fw == "torch" and x.is_cuda) or fw == "cupy"
 
@@ -211,10 +232,12 @@ class OpSpec:
     op: object = field(default=None, repr=False)  # torch.ops.gvr.<name> once registered
 
     def call(self, *args):
-        """Call through torch.ops.gvr.<name> (for traced code; eager code calls ``impl``)."""
+        """Call through torch.ops.gvr.<name> (for traced code; eager code calls ``impl``). Tensors that
+        require grad are detached, as eager calls read them (the ops have no autograd formula: without
+        this, torch.compile of a model run outside no_grad fails where the eager call works)."""
         if self.op is None:
             raise RuntimeError(_not_registered(self.name))
-        return self.op(*args)
+        return self.op(*(_detach(a) for a in args))
 
 
 _SPECS: dict[str, OpSpec] = {}

@@ -38,7 +38,7 @@ import numpy as np
 from .attention import repair as _repair
 from .attention import sparse_attention
 from ._prr_ema import EMAPredictor, _check_int
-from ._prr_select import select_blocks
+from ._prr_select import _overlap, select_blocks
 
 __all__ = ["SpeculativeAttention", "quest_select"]
 
@@ -66,6 +66,25 @@ def _dtype_name(dt):
     except TypeError:
         return None
     return s if s in ("float32", "float16") else None
+
+
+def _import_torch():
+    """torch (imported here when the caller has not: bfloat16 buffers on the CPU are torch tensors)"""
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise TypeError("bfloat16 on the CPU needs torch (NumPy has no bfloat16): install torch or use float32 / "
+                        "float16") from e
+    return torch
+
+
+def _unit_last(x):
+    """unit stride along the last dimension (what the kernels write), or a last dimension of 1"""
+    if x.shape[-1] <= 1:
+        return True
+    if _is_torch(x):
+        return x.stride(-1) == 1
+    return x.strides[-1] == x.itemsize
 
 
 def _is_cuda(x):
@@ -164,7 +183,8 @@ class SpeculativeAttention:
         if not (math.isfinite(float(budget)) and float(budget) >= 0):
             raise ValueError(f"'budget' must be a finite float >= 0, got {budget!r}")
         self.budget = float(budget)
-        self.n_pred = min(int(math.floor(self.budget * self.k + 0.5)), self.max_blocks)
+        # (min first: budget * k may overflow to inf, which floor cannot take)
+        self.n_pred = min(int(math.floor(min(self.budget * self.k, self.max_blocks) + 0.5)), self.max_blocks)
         if not isinstance(mode, str):
             raise TypeError(f"'mode' must be 'exact' or 'superset', got {type(mode).__name__}")
         if mode not in ("exact", "superset"):
@@ -238,7 +258,7 @@ class SpeculativeAttention:
         if buf is None:
             shape = (self.max_batch, self.Hq, self.D)
             if fw == "torch":
-                t = self._torch or sys.modules["torch"]
+                t = self._torch or _import_torch()
                 dev = self.device if self._torch is not None else "cpu"
                 buf = t.zeros(shape, dtype=getattr(t, name), device=dev)
             else:
@@ -249,7 +269,7 @@ class SpeculativeAttention:
     def _view(self, a, like_torch):
         """a NumPy buffer as a torch CPU tensor when the caller works in torch (shared memory)."""
         if like_torch and isinstance(a, np.ndarray):
-            return sys.modules["torch"].from_numpy(a)
+            return _import_torch().from_numpy(a)
         return a
 
     @property
@@ -267,6 +287,10 @@ class SpeculativeAttention:
     def prediction(self, B=None):
         """The prediction buffer (int32 [B, Hkv, n_pred]) the next step will speculate on (joins a pending
         ``step(join=False)`` first)."""
+        if B is not None:
+            B = _check_int("B", B)
+            if B > self.max_batch:
+                raise ValueError(f"'B' must lie in [1, {self.max_batch}], got {B}")
         self.join()
         return self._pred[: self.max_batch if B is None else B]
 
@@ -295,9 +319,16 @@ class SpeculativeAttention:
         self.join()
         if rows is None:
             idx = slice(None)
-        elif isinstance(rows, bool) or not isinstance(rows, (int, np.integer, list, tuple)):
+        elif isinstance(rows, bool) or not isinstance(rows, (int, np.integer, list, tuple, np.ndarray)):
             raise TypeError(f"'rows' must be None, an int or a sequence of ints, got {type(rows).__name__}")
         else:
+            if isinstance(rows, np.ndarray):
+                if rows.ndim > 1 or not (rows.size == 0 or np.issubdtype(rows.dtype, np.integer)):
+                    raise TypeError(f"'rows' must be ints, got an array of {rows.dtype} with shape {rows.shape}")
+                rows = [int(r) for r in rows.reshape(-1)]
+            elif not isinstance(rows, (int, np.integer)) and any(isinstance(r, bool) or not isinstance(r, (int, np.integer))
+                                                                 for r in rows):
+                raise TypeError("'rows' must be ints")
             idx = [int(rows)] if isinstance(rows, (int, np.integer)) else [int(r) for r in rows]
             for r in idx:
                 if not 0 <= r < self.max_batch:
@@ -375,6 +406,12 @@ class SpeculativeAttention:
                 raise TypeError(f"'out' must be an array [B, Hq, D], got {type(out).__name__}")
             if os_ != (B, self.Hq, self.D):
                 raise ValueError(f"'out' must have shape [{B}, {self.Hq}, {self.D}], got {list(os_)}")
+            if _dtype_name(getattr(out, "dtype", None)) is None:  # (an int buffer would truncate silently)
+                raise TypeError(f"'out' must be float32, float16 or bfloat16, got {getattr(out, 'dtype', None)}")
+            if getattr(out, "flags", None) is not None and not out.flags.writeable:
+                raise ValueError("'out' is read-only")
+            if _overlap(out, q):
+                raise ValueError("'out' must not overlap 'q'")
         return B
 
     def _selection(self, q, select, B):
@@ -445,8 +482,14 @@ class SpeculativeAttention:
                 nb, G = lengths, self.block_size
             else:
                 nb, G = nblocks, 1
-            self.predictor.update_predict(sc, nb, n, dst, block_size=G, keep_first=self.keep_first,
-                                          keep_last=self.keep_last)
+            try:
+                self.predictor.update_predict(sc, nb, n, dst, block_size=G, keep_first=self.keep_first,
+                                              keep_last=self.keep_last)
+            except ValueError as e:  # in the words of step's caller: the scores come from its select
+                if "width of 'scores'" in str(e):
+                    raise ValueError(f"'select' returned scores of shape {list(_shape(scores))}: narrower than a "
+                                     f"row's blocks (the EMA predictor needs every block's score: {e})") from None
+                raise
             return
         m = min(n, self.k)
         if self._torch is None:
@@ -490,7 +533,8 @@ class SpeculativeAttention:
             fw = "torch" if torch_io or name == "bfloat16" else "numpy"
             out = self._out_buffer(fw, name)[:B]
         # the repair writes the result in out's dtype too when it is q's or float32 (no conversion pass)
-        cast = out if _dtype_name(out.dtype) in (name, "float32") and _is_cuda(out) == (not cpu) else None
+        cast = (out if _dtype_name(out.dtype) in (name, "float32") and _is_cuda(out) == (not cpu) and _unit_last(out)
+                else None)
         if cast is not None and cpu and _is_torch(cast) != torch_io:
             cast = None
         partials = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 
 from . import _C
-from ._interop import _torch_module, compiling, define_op, framework, prepare
+from ._interop import _torch_module, compiling, define_op, framework, prepare, traced_out
 from .attention import _check_traced_stream, _new, _shape
 from .topk import topk_decode
 
@@ -155,6 +155,17 @@ def _torch_range(x):
     return lo, hi + x.element_size()
 
 
+def _check_traced_geometry(cache, ndim, name, dims, block_table, block_size, func):
+    """what gvr._C's intake says first in eager calls, before a traced call's fake implementation
+    would fail on it with torch's own error (a negative size, a division by zero, an unpacking)"""
+    if cache.dim() != ndim:
+        raise ValueError(f"{func}: '{name}' must be {dims}, got {list(cache.shape)}")
+    if block_table is not None and block_table.dim() != 2:
+        raise ValueError(f"{func}: 'block_table' must be int32 [B, max_pages], got {list(block_table.shape)}")
+    if isinstance(block_size, bool) or (isinstance(block_size, int) and block_size < 1):
+        raise ValueError(f"{func}: 'block_size' must be an int >= 1, got {block_size!r}")
+
+
 def _contiguous(x, fw):
     if fw == "torch":
         return x.is_contiguous()
@@ -261,8 +272,10 @@ def block_metadata(k_cache, block_table, lengths=None, *, block_size, out=None, 
     """
     if compiling():
         _check_traced_stream(stream, "prr.block_metadata")
+        _check_traced_geometry(k_cache, 4, "k_cache", "[num_pages, P, Hkv, D]", block_table, block_size,
+                               "prr.block_metadata")
         m = _metadata_op.call(k_cache, block_table, lengths, block_size)
-        return m if out is None else out.copy_(m)
+        return traced_out(out, m, "out", "prr.block_metadata")
     return _run_metadata(k_cache, block_table, lengths, block_size, out, stream)
 
 
@@ -308,7 +321,7 @@ def block_scores(q, meta, lengths=None, *, block_size, group_reduce="max", keep_
     if compiling():
         _check_traced_stream(stream, "prr.block_scores")
         s, _ = _scores_op.call(q, meta, lengths, block_size, group_reduce, keep_first, keep_last)
-        return s if out is None else out.copy_(s)
+        return traced_out(out, s, "out", "prr.block_scores")
     return _run_scores(q, meta, lengths, block_size, group_reduce, keep_first, keep_last, out, None, stream)
 
 
@@ -340,6 +353,10 @@ def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", i
         _check_traced_stream(stream, "prr.select_blocks")
         _check_blocks(init_blocks, "init_blocks")
         _check_blocks(local_blocks, "local_blocks")
+        if isinstance(k, bool) or (isinstance(k, int) and k < 0):
+            raise ValueError(f"prr.select_blocks: 'k' must be an int >= 0, got {k!r}")
+        if meta.dim() != 5:
+            raise ValueError(f"prr.select_blocks: 'meta' must be [B, Hkv, Nb, 2, D], got {list(meta.shape)}")
         B, Hkv, Nb = meta.shape[:3]
         if scores_out is None:
             s, c = _scores_op.call(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks)
@@ -349,7 +366,7 @@ def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", i
         r = topk_decode(s.reshape(B * Hkv, Nb), k, lengths=c.reshape(B * Hkv), sorted=sorted).reshape(B, Hkv, k)
         if scores_out is not None:
             scores_out.copy_(raw)
-        return r if out is None else out.copy_(r)
+        return traced_out(out, r, "out", "prr.select_blocks")
     return _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted,
                        scores_out)
 

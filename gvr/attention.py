@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from . import _C
-from ._interop import _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle
+from ._interop import _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle, traced_out
 
 __all__ = ["sparse_attention", "merge_states", "merge_states_in_place"]
 
@@ -181,6 +181,11 @@ def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, s
                accumulate, stream, name, exclude=None, counts=None, cast_out=None, k_scale=None, v_scale=None):
     if compiling():
         _check_traced_stream(stream, name)
+        if partials is not None and (not isinstance(partials, (tuple, list)) or len(partials) != 2):
+            raise TypeError("'partials' must be a pair (part_out, part_lse) or None, got "
+                            f"{type(partials).__name__} of {len(partials) if isinstance(partials, (tuple, list)) else 1}")
+        if isinstance(block_size, bool):
+            raise TypeError("'block_size' must be an int, got bool")
         if out is None and lse is None and partials is None and not accumulate:
             return _att_op.call(q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale,
                                 v_scale)
@@ -263,6 +268,8 @@ def _address(x):
 def _aliases(a, b):
     if a is b:
         return True
+    if compiling():  # no data pointers in traced code: only the same objects merge in place there
+        return False
     ra = _address(a)
     return ra is not None and ra == _address(b)
 
@@ -346,11 +353,12 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None, lse_base="e"
         return out, lse
     if compiling():
         _check_traced_stream(stream, "merge_states")
-        if out is None and lse is None:
-            return _merge_op.call(out_a, lse_a, out_b, lse_b, base2)
         o, l = _merge_op.call(out_a, lse_a, out_b, lse_b, base2)
-        out.copy_(o)
-        lse.copy_(l)
+        if out is None and lse is None:
+            return o, l
+        t = _torch_module()
+        out = traced_out(out, o, "out", "merge_states", (t.float32, t.float16, t.bfloat16))
+        lse = traced_out(lse, l, "lse", "merge_states")
         return out, lse
     if (out is None) != (lse is None):
         fw = framework(out_a)

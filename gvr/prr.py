@@ -34,7 +34,7 @@ from __future__ import annotations
 
 
 from . import _C
-from ._interop import _torch_module, compiling, define_op, framework, prepare
+from ._interop import _torch_module, compiling, define_op, framework, prepare, traced_out
 from .attention import _ATT, _check_traced_stream, _new, _none, _shape
 from .attention import repair as _repair
 from ._prr_ema import DEFAULT_GRID, EMAPredictor, calibrate, calibration_hit_rates  # noqa: F401
@@ -74,6 +74,8 @@ def repair(out, lse, q, k_cache, v_cache, indices, *, lengths=None, block_table=
     """
     if compiling():
         _check_traced_stream(stream, "prr.repair")
+        if out is None or lse is None:
+            raise TypeError("prr.repair: 'out' and 'lse' (the state to repair, out float32) must be given")
         _repair_op.call(out, lse, q, k_cache, v_cache, indices, lengths, block_table, block_size, scale, k_scale,
                         v_scale, exclude, counts, cast_out)
         return out, lse
@@ -109,7 +111,7 @@ def missed(selected, predicted, *, out=None, counts=None, stream=None):
         _check_traced_stream(stream, "prr.missed")
         if counts is not None:
             raise ValueError("prr.missed: 'counts' is not supported under torch.compile (eager calls only)")
-        return _missed_op.call(selected, predicted)
+        return traced_out(out, _missed_op.call(selected, predicted), "out", "prr.missed")
     return _run_missed(selected, predicted, out, stream, counts)
 
 
@@ -143,11 +145,17 @@ def finalize(partials, predicted, selected, *, out=None, lse=None, stream=None):
     """
     if compiling():
         _check_traced_stream(stream, "prr.finalize")
+        if not isinstance(partials, (tuple, list)) or len(partials) != 2:
+            raise TypeError("prr.finalize: 'partials' must be a pair (part_out, part_lse)")
+        if partials[0].dim() != 4 or partials[1].dim() != 3:
+            raise ValueError(f"prr.finalize: 'partials' must be ([B, Hq, n_pred, D], [B, Hq, n_pred]), got "
+                             f"{list(partials[0].shape)} and {list(partials[1].shape)}")
         o, l = _finalize_op.call(partials[0], partials[1], predicted, selected)
         if out is None and lse is None:
             return o, l
-        out = o if out is None else out.copy_(o)
-        lse = l if lse is None else lse.copy_(l)
+        t = _torch_module()
+        out = traced_out(out, o, "out", "prr.finalize", (t.float32, t.float16, t.bfloat16))
+        lse = traced_out(lse, l, "lse", "prr.finalize")
         return out, lse
     return _run_finalize(partials, predicted, selected, out, lse, stream)
 

@@ -9,11 +9,13 @@ memory, ``HostKVCache``, ``prefetch`` of the selected blocks into a GPU staging 
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 from . import _C
 from ._interop import (
     _host_view, _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle, torch_if_loaded,
+    traced_out,
 )
 from .attention import _check_traced_stream, _new, _stream_for, cached_workspace
 
@@ -88,8 +90,11 @@ def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=
     k = _check_int("k", k, 1)
     pool_kernel = _check_int("pool_kernel", pool_kernel, 1)
     pool_stride = _check_int("pool_stride", pool_stride, 1)
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
-        raise ValueError(f"'tau' must be a float > 0, got {tau!r}")
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):  # Python and NumPy numbers
+        raise TypeError(f"'tau' must be a float > 0, got {type(tau).__name__}")
+    if not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"'tau' must be a finite float > 0, got {tau!r}")
+    tau = float(tau)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"'reduction' must be 'mean', 'sum' or 'none', got {reduction!r}")
     for name, x in (("q_scores_fine", q_scores_fine), ("f_scores", f_scores)):
@@ -108,11 +113,16 @@ def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=
     nb, nf = f_scores.shape[-1], q_scores_fine.shape[-1]
     dt = torch.promote_types(q_scores_fine.dtype, f_scores.dtype)
     tgt_f = q_scores_fine.to(dt)
-    # max-pool to the inference grid (windows cut at N_fine, empty windows 0)
-    need = (nb - 1) * pool_stride + pool_kernel
+    # max-pool to the inference grid (windows cut at N_fine, empty windows 0): only the windows that start
+    # inside the row are pooled (a kernel past N_fine covers what one of N_fine does), the rest are 0
+    kern = min(pool_kernel, nf)
+    inside = min(nb, -(-nf // pool_stride))
+    need = (inside - 1) * pool_stride + kern
     if need > nf:
         tgt_f = torch.nn.functional.pad(tgt_f, (0, need - nf))
-    tgt = tgt_f.unfold(-1, pool_kernel, pool_stride)[..., :nb, :].amax(-1)
+    tgt = tgt_f.unfold(-1, kern, pool_stride)[..., :inside, :].amax(-1)
+    if inside < nb:
+        tgt = torch.nn.functional.pad(tgt, (0, nb - inside))
     logits = f_scores.to(dt) / tau
     # the top-k set of the target among eligible blocks: stable descending sort (ties to the lower index)
     key = tgt.detach()
@@ -153,6 +163,9 @@ def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=
         return torch.where(pos, t * (torch.log(t_safe) - lp_safe), torch.zeros_like(t))
 
     kl = term(t_s, log_p_s).sum(-1) + term(t_rest, log_p_rest).squeeze(-1)
+    # a target with NaN or +inf has no distribution: its row's loss is NaN (never a finite number that
+    # training would follow)
+    kl = torch.where(torch.isfinite(total.squeeze(-1)), kl, torch.full_like(kl, float("nan")))
     if reduction == "none":
         return kl
     return kl.sum() if reduction == "sum" else kl.mean()
@@ -318,8 +331,13 @@ def compressed_keys(k_cache, block_table, lengths=None, *, kernel=32, stride=16,
     """
     if compiling():
         _check_traced_stream(stream, "sparda.compressed_keys")
+        kernel = _check_int("kernel", kernel, 1, _I32_MAX)
+        stride = _check_int("stride", stride, 1, _I32_MAX)
+        if k_cache.dim() != 4 or block_table.dim() != 2:
+            raise ValueError(f"sparda.compressed_keys: 'k_cache' must be [num_pages, P, Hkv, D] and 'block_table' "
+                             f"[B, max_pages], got {list(k_cache.shape)} and {list(block_table.shape)}")
         r = _ckeys_op.call(k_cache, block_table, lengths, kernel, stride)
-        return r if out is None else out.copy_(r)
+        return traced_out(out, r, "out", "sparda.compressed_keys")
     return _run_ckeys(k_cache, block_table, lengths, None, out, kernel, stride, stream)
 
 
@@ -617,6 +635,9 @@ def prefetch(host_k, host_v, indices, dst_k, dst_v, *, block_table=None, residen
         if slot_map_out is not None or counts is not None or method not in ("auto", "kernel"):
             raise ValueError("gvr.sparda.prefetch under torch.compile takes neither 'slot_map_out', 'counts' nor "
                              "method 'memcpy'")
+        if indices.dim() != 3 or (block_table is not None and block_table.dim() != 2):
+            raise ValueError(f"sparda.prefetch: 'indices' must be [B, Hsel, n] and 'block_table' [B, max_pages], got "
+                             f"{list(indices.shape)} and {None if block_table is None else list(block_table.shape)}")
         return _prefetch_op.call(host_k, host_v, indices, dst_k, dst_v, block_table, resident, max_ctas)
     return _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, slot_map_out, counts, stream,
                          method, max_ctas, cta_warps=cta_warps, lane_loads=lane_loads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 from . import _C
-from ._interop import _torch_module, compiling, define_op, empty, framework, prepare
+from ._interop import _torch_module, compiling, define_op, empty, framework, prepare, traced_out
 
 __all__ = ["topk_decode"]
 
@@ -108,15 +108,24 @@ def _traced(scores, k, prev_topk, lengths, out, sorted, stream, method, block_ta
     if stream is not None:
         raise ValueError("'stream' is not supported under torch.compile: call gvr.topk_decode inside "
                          "`with torch.cuda.stream(s):` instead")
+    # the scalar checks gvr._C makes in eager calls (the fake implementations run before any)
+    if not isinstance(sorted, bool):
+        raise TypeError(f"'sorted' must be a bool, got {type(sorted).__name__}")
+    for nm, v in (("k", k), ("page_size", page_size), ("next_n", next_n), ("max_length", max_length)):
+        if isinstance(v, bool):
+            raise TypeError(f"'{nm}' must be an int, got bool")
+    if isinstance(k, int) and k < 0:
+        raise ValueError(f"'k' must be an int >= 0, got {k}")
     nn = 1 if next_n is None else next_n
     if block_table is not None:
         if page_size is None:
             raise ValueError("'page_size' is required with 'block_table' (tokens per page, >= 1)")
         slots, pos = _op_pt.call(scores, k, prev_topk, lengths, block_table, page_size, sorted, method, row_starts,
                                  nn, max_length)
-        if out_positions is not None:
-            out_positions.copy_(pos)
-        return slots if out is None else out.copy_(slots)
+        traced_out(out_positions, pos, "out_positions", "topk_decode")
+        return traced_out(out, slots, "out", "topk_decode")
+    if out_positions is not None:
+        raise ValueError("'out_positions' applies only with 'block_table' (without it, 'out' holds the positions)")
     if out is None:
         return _op.call(scores, k, prev_topk, lengths, sorted, method, row_starts, nn, max_length)
     _op_out.call(scores, k, prev_topk, lengths, out, sorted, method, row_starts, nn, max_length)
