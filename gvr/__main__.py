@@ -6,7 +6,8 @@ step with the previous step's result as the prediction (prev_topk), checks every
 exact NumPy reference written here (independent of gvr's C code), and times it next to the usual
 baselines: np.argpartition on the CPU; torch.topk and gvr's radix path on CUDA.
 
-Exit status: 0 when every step is exact, 1 otherwise, 2 for bad arguments or a missing device.
+Exit status: 0 when every step is exact, 1 otherwise, 2 for bad arguments, a missing device or a trace
+that does not fit in memory.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ import numpy as np
 import gvr
 import gvr.data
 from gvr import _harness as H
+
+INT32_MAX = 2**31 - 1
+MAX_THREADS = 1024  # the demo's cap on --threads (gvr itself caps at 2**20 and at the number of rows)
 
 
 def reference_topk(x: np.ndarray, k: int) -> np.ndarray:
@@ -73,24 +77,24 @@ def parse_args(argv):
         description="Decode-loop demo of gvr.topk_decode: exactness check and timing on a synthetic trace. "
                     "(python -m gvr prr --help: the PRR demo.)",
     )
-    p.add_argument("--n", type=int, default=65536, help="context length at the first step (default 65536)")
-    p.add_argument("--k", type=int, default=2048, help="top-k (default 2048; 0 gives empty results)")
+    p.add_argument("--n", type=int, default=65536,
+                   help="context length at the first step (default 65536; n + steps - 1 at most 2**31 - 1)")
+    p.add_argument("--k", type=int, default=2048, help="top-k (default 2048; 0 gives empty results; at most 2**31 - 1)")
     p.add_argument("--steps", type=int, default=8, help="decode steps (default 8)")
     p.add_argument("--overlap", type=float, default=0.45,
                    help="target step-to-step Top-k overlap of the trace (default 0.45)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda when torch sees a GPU and gvr's CUDA library loads, else cpu")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads for gvr (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    p.add_argument("--threads", type=int, default=1, help=f"CPU threads for gvr (default 1, at most {MAX_THREADS})")
+    p.add_argument("--seed", type=int, default=0, help="trace seed in [0, 2**64 - 1] (default 0)")
     a = p.parse_args(argv)
-    if a.n < 1:
-        p.error("--n must be >= 1")
-    if a.k < 0:
-        p.error("--k must be >= 0")
-    if a.steps < 1:
-        p.error("--steps must be >= 1")
-    if a.threads < 1:
-        p.error("--threads must be >= 1")
+    # rows are indexed by int32, so lengths, k and thread counts are bounded before anything is allocated
+    for name, lo, hi in (("n", 1, INT32_MAX), ("k", 0, INT32_MAX), ("steps", 1, INT32_MAX),
+                         ("threads", 1, MAX_THREADS), ("seed", 0, 2**64 - 1)):
+        if not lo <= getattr(a, name) <= hi:
+            p.error(f"--{name} must lie in [{lo}, {hi}], got {getattr(a, name)}")
+    if a.n + a.steps - 1 > INT32_MAX:
+        p.error(f"--n + --steps - 1 (the last row's length) must be at most {INT32_MAX}")
     if not 0.0 <= a.overlap <= 1.0:
         p.error("--overlap must lie in [0, 1]")
     return a
@@ -137,7 +141,11 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     trace_k = a.k if a.k > 0 else min(2048, a.n)  # the trace's overlap is defined for a k > 0
-    rows = list(gvr.data.decode_trace(n=a.n, steps=a.steps, k=trace_k, overlap=a.overlap, seed=a.seed))
+    try:
+        rows = list(gvr.data.decode_trace(n=a.n, steps=a.steps, k=trace_k, overlap=a.overlap, seed=a.seed))
+    except MemoryError as e:  # --n / --steps within range but more than this machine holds
+        print(f"python -m gvr: --n {a.n} --steps {a.steps}: the trace does not fit in memory ({e})", file=sys.stderr)
+        return 2
     dt = time.perf_counter() - t0
     print(f"trace: gvr.data.decode_trace(n={a.n}, steps={a.steps}, k={trace_k}, overlap={a.overlap}, "
           f"seed={a.seed}) in {dt:.1f} s")

@@ -15,8 +15,11 @@ benchmarks/RESULTS.md). ``save(path)`` / ``load(path)``: JSON.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
+import numbers
+import os
 import time
 
 import numpy as np
@@ -48,6 +51,21 @@ def paged_decode_case(torch, B, context, Hq, Hkv, D, page, steps, *, persistence
                            meta=block_metadata(K, bt, lengths, block_size=page))
 
 
+def _check_writable(path) -> None:
+    """Raise ValueError naming 'path' when ``path`` cannot be opened for writing (a directory, a missing folder,
+    no permission). An existing file is left as it is; a file this creates is removed again."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"'path' must be a str or os.PathLike, got {type(path).__name__}")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):  # append mode: an existing file is not truncated
+            pass
+    except OSError as e:
+        raise ValueError(f"'path' {os.fsdecode(path)!r} cannot be written: {e.strerror or e}") from e
+    if not existed:
+        os.remove(path)
+
+
 class Budget:
     """A speculation-budget table: per profiled context, the step times measured and the chosen rho.
 
@@ -63,14 +81,21 @@ class Budget:
         ctx = {}
         for key, row in table["contexts"].items():
             try:
+                if isinstance(key, (bool, float)):  # JSON keys are strings; an int key is fine, 1024.5 is not
+                    raise TypeError
                 c = int(key)
-                best = float(row["best"])
-            except (TypeError, ValueError, KeyError) as e:
-                raise ValueError(f"'table': context {key!r} needs an int key and a 'best' ratio") from e
+                best = row["best"]
+                if isinstance(best, bool) or not isinstance(best, numbers.Real):
+                    raise TypeError
+                best = float(best)  # OverflowError for an int beyond float's range
+            except (TypeError, ValueError, KeyError, OverflowError) as e:
+                raise ValueError(f"'table': context {key!r} needs an int key and a 'best' ratio (a number)") from e
             if c < 1 or not (math.isfinite(best) and best >= 0):
                 raise ValueError(f"'table': context {key!r} must be >= 1 with a finite 'best' ratio >= 0")
+            if c in ctx:  # "1024" and "01024" would silently collapse
+                raise ValueError(f"'table': context {key!r} repeats context {c}")
             ctx[c] = best
-        self.table = table
+        self.table = copy.deepcopy(table)  # the caller's dict may change later; ratio() and save() must agree
         self._best = dict(sorted(ctx.items()))
 
     # -- use ----------------------------------------------------------------------------------------
@@ -95,9 +120,9 @@ class Budget:
 
     # -- persistence --------------------------------------------------------------------------------
     def save(self, path) -> None:
+        text = json.dumps(self.table, indent=1, sort_keys=True) + "\n"  # fails before the file is touched
         with open(path, "w") as f:
-            json.dump(self.table, f, indent=1, sort_keys=True)
-            f.write("\n")
+            f.write(text)
 
     @classmethod
     def load(cls, path) -> "Budget":
@@ -122,22 +147,53 @@ class Budget:
         (``select_blocks``) alone, the speculative attention over round(rho * k) blocks alone, the
         serial step, and ``SpeculativeAttention.step`` (``predictor``, ``mode``) at each rho. CUDA: one
         graph of ``steps`` steps replayed ``replays`` times; CPU: ``replays`` eager runs of the steps
-        (gvr._harness); per step = the median run / steps."""
+        (gvr._harness); per step = the median run / steps.
+
+        ``contexts``: multiples of ``block_size``, each >= ``block_size * k``; ``persistence`` in [0, 1];
+        ``seed``: any int (its low 64 bits seed torch). Every argument, and that ``path`` can be opened for
+        writing, is checked before anything is measured (the check leaves no file behind)."""
         from . import attention as _att
         from ._prr_runtime import SpeculativeAttention, quest_select
         from ._prr_select import select_blocks
+        # every argument is checked before anything is measured
         ratios = sorted({float(r) for r in ratios})
         if not ratios or any(not (math.isfinite(r) and r > 0) for r in ratios):
             raise ValueError(f"'ratios' must be floats > 0, got {ratios!r}")
-        for name, v in (("batch", batch), ("Hq", Hq), ("Hkv", Hkv), ("D", D), ("block_size", block_size), ("k", k),
-                        ("steps", steps), ("replays", replays)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        ints = dict(batch=batch, Hq=Hq, Hkv=Hkv, D=D, block_size=block_size, k=k, steps=steps, replays=replays)
+        for name, v in ints.items():
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # NumPy integers too
+                raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
+            if v < 1:
                 raise ValueError(f"'{name}' must be an int >= 1, got {v!r}")
+        batch, Hq, Hkv, D, block_size, k, steps, replays = (int(v) for v in ints.values())
         if Hq % Hkv:
             raise ValueError(f"'Hq' must be a multiple of 'Hkv', got Hq={Hq}, Hkv={Hkv}")
-        contexts = sorted({int(c) for c in contexts})
+        try:
+            cs = tuple(contexts)
+        except TypeError:
+            cs = None
+        if cs is None or any(isinstance(c, bool) or not isinstance(c, numbers.Integral) for c in cs):
+            raise TypeError(f"'contexts' must be a sequence of ints, got {contexts!r}")
+        contexts = sorted({int(c) for c in cs})
         if not contexts or contexts[0] < block_size * k:
             raise ValueError(f"'contexts' must be ints >= block_size * k = {block_size * k}, got {contexts!r}")
+        if any(c % block_size for c in contexts):  # the paged cache holds whole blocks
+            raise ValueError(f"'contexts' must be multiples of 'block_size' = {block_size}, got {contexts!r}")
+        for name, v, ok in (("predictor", predictor, ("ema", "last")), ("mode", mode, ("exact", "superset"))):
+            if not isinstance(v, str):
+                raise TypeError(f"'{name}' must be {ok[0]!r} or {ok[1]!r}, got {type(v).__name__}")
+            if v not in ok:
+                raise ValueError(f"'{name}' must be {ok[0]!r} or {ok[1]!r}, got {v!r}")
+        if isinstance(persistence, bool) or not isinstance(persistence, numbers.Real):
+            raise TypeError(f"'persistence' must be a float, got {type(persistence).__name__}")
+        persistence = float(persistence)
+        if not 0.0 <= persistence <= 1.0:  # also rejects NaN
+            raise ValueError(f"'persistence' must lie in [0, 1], got {persistence}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"'seed' must be an int, got {type(seed).__name__}")
+        seed = int(seed)
+        if path is not None:
+            _check_writable(path)
         cpu = str(device) == "cpu"
         import torch
         dev = torch.device("cpu") if cpu else torch.device(device)
@@ -145,7 +201,7 @@ class Budget:
             dev = torch.device("cuda", torch.cuda.current_device())
         dt = torch.float32 if cpu else torch.bfloat16
         gen = torch.Generator(device=dev)
-        gen.manual_seed(seed)
+        gen.manual_seed(seed & 0xFFFFFFFFFFFFFFFF)  # any int, as gvr.data's seeds (torch takes 64 bits)
         G = block_size
 
         from . import _harness as H

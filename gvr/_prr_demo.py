@@ -15,11 +15,14 @@ out, 1e-4 * max(1, |lse|) for lse; a missed or wasted block moves them by orders
 
 On the CPU the speculation cannot overlap the selection (one stream), so PRR times show the overhead
 of the partial states and the repair; on CUDA the speculative attention overlaps the selection on a side stream.
-Exit status: 0 when every step is exact, 1 otherwise, 2 for bad arguments or a missing device.
+Exit status: 0 when every step is exact, 1 otherwise, 2 for bad arguments, a missing device or caches that do
+not fit in memory.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 
@@ -28,11 +31,15 @@ import numpy as np
 import gvr
 from . import _prr_runtime as R
 
+INT32_MAX = 2**31 - 1
+MAX_THREADS = 1024  # the demo's cap on --threads (gvr itself caps at 2**20 and at the number of rows)
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m gvr prr",
                                 description="PRR demo: speculative sparse attention with repair over a synthetic "
-                                            "multi-layer decode, checked against serial attention.")
+                                            "multi-layer decode, checked against serial attention. Sizes are at most "
+                                            "2**31 - 1 and the caches must fit in this machine's memory.")
     p.add_argument("--context", type=int, default=32768, help="tokens per row at the first step (default 32768)")
     p.add_argument("--layers", type=int, default=4, help="layers (default 4; the first is weakly persistent)")
     p.add_argument("--steps", type=int, default=8, help="decode steps (default 8)")
@@ -41,26 +48,62 @@ def parse_args(argv):
                    help="query and KV heads (default 4 2)")
     p.add_argument("--dim", type=int, default=64, help="head dimension (default 64)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per block (default 32)")
-    p.add_argument("--k", type=int, default=32, help="selected blocks per row and KV head (default 32)")
+    p.add_argument("--k", type=int, default=32, help="selected blocks per row and KV head (default 32; at most the cache's blocks)")
     p.add_argument("--budget", type=float, default=1.0, help="speculation budget rho (default 1.0)")
     p.add_argument("--persistence", type=float, default=0.95,
                    help="step-to-step correlation of the query (default 0.95; the first layer 0.5)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads for gvr (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help=f"CPU threads for gvr (default 1, at most {MAX_THREADS})")
+    p.add_argument("--seed", type=int, default=0, help="seed in [0, 2**64 - 1] (default 0)")
     a = p.parse_args(argv)
-    for name in ("context", "layers", "steps", "batch", "dim", "block_size", "k", "threads"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.heads[0] < 1 or a.heads[1] < 1 or a.heads[0] % a.heads[1]:
-        p.error("--heads: HQ must be a positive multiple of HKV")
+    # sizes are int32 in the kernels (lengths, block ids): bounded before anything is allocated
+    for name in ("context", "layers", "steps", "batch", "dim", "block_size", "k", "threads", "seed"):
+        lo, hi = {"threads": (1, MAX_THREADS), "seed": (0, 2**64 - 1)}.get(name, (1, INT32_MAX))
+        if not lo <= getattr(a, name) <= hi:
+            p.error(f"--{name.replace('_', '-')} must lie in [{lo}, {hi}], got {getattr(a, name)}")
+    if a.context + a.steps - 1 > INT32_MAX:
+        p.error(f"--context + --steps - 1 (the last step's length) must be at most {INT32_MAX}")
+    if not (1 <= a.heads[1] <= a.heads[0] <= INT32_MAX and a.heads[0] % a.heads[1] == 0):
+        p.error(f"--heads: HQ must be a multiple of HKV, both in [1, {INT32_MAX}]")
     if a.dim not in (64, 128, 256) and a.device == "cuda":
         p.error("--dim must be 64, 128 or 256 on CUDA")
     if not 0.0 <= a.persistence <= 1.0:
         p.error("--persistence must lie in [0, 1]")
-    if a.budget < 0:
-        p.error("--budget must be >= 0")
+    if not (math.isfinite(a.budget) and a.budget >= 0):
+        p.error(f"--budget must be a finite number >= 0, got {a.budget}")
+    blocks = _geometry(a)[2]
+    if a.k > blocks:  # more than the cache holds selects nothing more, but sizes buffers by k
+        p.error(f"--k must be at most {blocks}, the cache's blocks per row, got {a.k}")
+    mem = _host_memory()
+    if _host_bytes(a) > mem:
+        p.error(f"--context, --batch, --heads, --dim and --layers ask for about {_host_bytes(a) / 2**30:.3g} GiB of "
+                f"caches and buffers; this machine has {mem / 2**30:.3g} GiB")
     return a
+
+
+def _geometry(a):
+    """(P tokens per page, pages per row, blocks per row) of the caches (room for every step)"""
+    G = a.block_size
+    P = 16 if G % 16 == 0 else G
+    max_pages = -(-(a.context + a.steps) // P)
+    return P, max_pages, -(-max_pages * P // G)
+
+
+def _host_memory():
+    """bytes of physical memory (1 TiB where the OS does not say)"""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 2**40
+
+
+def _host_bytes(a):
+    """Rough size of the demo's largest arrays over all layers: float32 K and V, the block table and metadata
+    (2 vectors of D per block and KV head), the selections and the predictors' per-block states."""
+    P, pages, blocks = _geometry(a)
+    (Hq, Hkv), B, D = a.heads, a.batch, a.dim
+    per_layer = 4 * B * (2 * pages * P * Hkv * D + pages + 2 * blocks * Hkv * D + 8 * blocks * Hkv + 4 * Hkv * a.k)
+    return a.layers * per_layer
 
 
 def _pick_device(a):
@@ -89,10 +132,7 @@ def main(argv=None) -> int:
     gvr.set_num_threads(a.threads)
     cuda = device == "cuda"
     B, (Hq, Hkv), D, G, k = a.batch, a.heads, a.dim, a.block_size, a.k
-    P = 16 if G % 16 == 0 else G
-    max_tokens = a.context + a.steps
-    max_pages = -(-max_tokens // P)
-    max_blocks = -(-max_pages * P // G)
+    P, max_pages, max_blocks = _geometry(a)
     rng = np.random.default_rng(a.seed)
 
     print(f"gvr {gvr.__version__}: PRR (speculate, select, repair), exact mode, {a.layers} layers")
@@ -111,30 +151,37 @@ def main(argv=None) -> int:
     layers = []
     lengths_h = np.full(B, a.context, np.int32)
     lengths = dev(lengths_h.copy())
-    for li in range(a.layers):
-        num_pages = B * max_pages
-        K = dev(rng.standard_normal((num_pages, P, Hkv, D), dtype=np.float32))
-        V = dev(rng.standard_normal((num_pages, P, Hkv, D), dtype=np.float32))
-        bt = dev(rng.permutation(num_pages).astype(np.int32).reshape(B, max_pages))
-        meta = gvr.prr.block_metadata(K, bt, lengths, block_size=G)
-        kw = dict(block_size=G, k=k, budget=a.budget, mode="exact", device="cuda" if cuda else "cpu",
-                  dtype="bfloat16" if cuda else "float32")
-        L = dict(K=K, V=V, bt=bt, meta=meta,
-                 select=R.quest_select(meta, k, lengths, block_size=G),
-                 select_last=R.quest_select(meta, k, lengths, block_size=G),
-                 ema=R.SpeculativeAttention(B, Hq, Hkv, D, max_blocks, predictor="ema", **kw),
-                 last=R.SpeculativeAttention(B, Hq, Hkv, D, max_blocks, predictor="last", **kw),
-                 sel=(torch.empty((B, Hkv, k), dtype=torch.int32, device="cuda") if cuda
-                      else np.empty((B, Hkv, k), np.int32)),
-                 s_out=(torch.empty((B, Hq, D), dtype=torch.float32, device="cuda") if cuda
-                        else np.empty((B, Hq, D), np.float32)),
-                 # the PRR steps' results in float32 too (the state's values: the comparison's tolerance is
-                 # float32's; with budget 0 the step writes only out)
-                 outs={n: (torch.empty((B, Hq, D), dtype=torch.float32, device="cuda") if cuda
-                           else np.empty((B, Hq, D), np.float32)) for n in ("ema", "last")},
-                 rho=0.5 if li == 0 else a.persistence,
-                 qh=rng.standard_normal((B, Hq, D)).astype(np.float32))
-        layers.append(L)
+    # sizes within the bounds of parse_args can still exceed this machine's memory: exit 2, no traceback
+    oom = (MemoryError, torch.cuda.OutOfMemoryError) if cuda else MemoryError
+    try:
+        for li in range(a.layers):
+            num_pages = B * max_pages
+            K = dev(rng.standard_normal((num_pages, P, Hkv, D), dtype=np.float32))
+            V = dev(rng.standard_normal((num_pages, P, Hkv, D), dtype=np.float32))
+            bt = dev(rng.permutation(num_pages).astype(np.int32).reshape(B, max_pages))
+            meta = gvr.prr.block_metadata(K, bt, lengths, block_size=G)
+            kw = dict(block_size=G, k=k, budget=a.budget, mode="exact", device="cuda" if cuda else "cpu",
+                      dtype="bfloat16" if cuda else "float32")
+            L = dict(K=K, V=V, bt=bt, meta=meta,
+                     select=R.quest_select(meta, k, lengths, block_size=G),
+                     select_last=R.quest_select(meta, k, lengths, block_size=G),
+                     ema=R.SpeculativeAttention(B, Hq, Hkv, D, max_blocks, predictor="ema", **kw),
+                     last=R.SpeculativeAttention(B, Hq, Hkv, D, max_blocks, predictor="last", **kw),
+                     sel=(torch.empty((B, Hkv, k), dtype=torch.int32, device="cuda") if cuda
+                          else np.empty((B, Hkv, k), np.int32)),
+                     s_out=(torch.empty((B, Hq, D), dtype=torch.float32, device="cuda") if cuda
+                            else np.empty((B, Hq, D), np.float32)),
+                     # the PRR steps' results in float32 too (the state's values: the comparison's tolerance is
+                     # float32's; with budget 0 the step writes only out)
+                     outs={n: (torch.empty((B, Hq, D), dtype=torch.float32, device="cuda") if cuda
+                               else np.empty((B, Hq, D), np.float32)) for n in ("ema", "last")},
+                     rho=0.5 if li == 0 else a.persistence,
+                     qh=rng.standard_normal((B, Hq, D)).astype(np.float32))
+            layers.append(L)
+    except oom as e:
+        print(f"python -m gvr prr: the caches do not fit in memory ({e}); use a smaller --context, --batch, "
+              f"--heads, --dim, --k or --layers", file=sys.stderr)
+        return 2
     print(f"caches and metadata: {time.perf_counter() - t0:.1f} s")
 
     def sync():

@@ -87,6 +87,7 @@ more after the pilot steps.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -201,6 +202,16 @@ def _quantize(x: np.ndarray, frac_bits: int) -> np.ndarray:
     return np.clip(np.round(x * scale), -(2.0**16) * scale + 1, (2.0**16) * scale - 1) / scale
 
 
+def _int(name: str, v, lo: int) -> int:
+    """``v`` as a Python int (NumPy integers too; bool is not an int here), checked >= ``lo``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
+    v = int(v)
+    if v < lo:
+        raise ValueError(f"'{name}' must be >= {lo}, got {v}")
+    return v
+
+
 def _row_seedseq(seed: int, row: int) -> np.random.SeedSequence:
     return np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(row)])
 
@@ -306,6 +317,7 @@ def topk_overlap(prev_idx, cur_idx) -> float:
 def trace_overlaps(rows: Sequence[np.ndarray], k: int) -> np.ndarray:
     """Per-step overlaps (length ``len(rows) - 1``) of the exact Top-k sets of
     consecutive NaN-free 1-D rows (ties at the k-th value: lowest indices)."""
+    k = _int("k", k, 1)
     idx = [_topk_idx(np.asarray(r), k) for r in rows]
     return np.array([topk_overlap(a, b) for a, b in zip(idx[:-1], idx[1:])], dtype=np.float64)
 
@@ -373,12 +385,10 @@ def _calibrate(model: _TraceModel, overlap: float, k: int) -> float:
 
 
 def _check_trace_args(n: int, steps: int, k: int, heads: int, dim: int) -> None:
-    if n < 0 or steps < 0:
-        raise ValueError("n and steps must be >= 0")
-    if k <= 0:
-        raise ValueError("k must be positive")
-    if heads <= 0 or dim <= 0 or dim % 2:
-        raise ValueError("heads must be positive and dim positive and even")
+    for name, v, lo in (("n", n, 0), ("steps", steps, 0), ("k", k, 1), ("heads", heads, 1), ("dim", dim, 2)):
+        _int(name, v, lo)
+    if dim % 2:
+        raise ValueError(f"'dim' must be even, got {dim}")
 
 
 def rho_for_overlap(
@@ -474,8 +484,7 @@ def decode_trace_batch(
     float32 arrays, array t of shape [batch, n+t]. Row 0 equals
     ``decode_trace(n, steps, ..., seed=seed)``; rows b > 0 come from their
     own seed streams (seed, b)."""
-    if batch < 0:
-        raise ValueError("batch must be >= 0")
+    _int("batch", batch, 0)
     _check_trace_args(n, steps, k, heads, dim)
     out = [np.empty((batch, n + t), dtype=np.float32) for t in range(steps)]
     for b in range(batch):
@@ -491,8 +500,8 @@ def decode_trace_batch(
 def iid_scores(batch: int, n: int, *, dist: str = "normal", seed: int = 0) -> np.ndarray:
     """float32 [batch, n] of i.i.d. draws; ``dist`` in {"normal", "uniform",
     "exponential"} (standard forms: N(0,1), U[0,1), Exp(1))."""
-    rng = np.random.default_rng(seed)
-    shape = (int(batch), int(n))
+    shape = (_int("batch", batch, 0), _int("n", n, 0))
+    rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)  # any int seed, as the other generators
     if dist == "normal":
         return rng.standard_normal(shape, dtype=np.float32)
     if dist == "uniform":
@@ -641,10 +650,8 @@ def ragged_lengths(batch: int, n: int, *, k: int = 2048, seed: int = 0) -> np.nd
     """int32 [batch] of row lengths in [0, n]: the edge values 0, n, 1, 2,
     k-1, k, k+1, n-1 (those in range, deduplicated, in that priority while
     ``batch`` allows) plus uniform draws, shuffled."""
-    batch, n = int(batch), int(n)
-    if batch < 0 or n < 0:
-        raise ValueError("batch and n must be >= 0")
-    rng = np.random.default_rng(seed)
+    batch, n = _int("batch", batch, 0), _int("n", n, 0)
+    rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)  # any int seed, as the other generators
     edges = []
     for v in (0, n, 1, 2, k - 1, k, k + 1, n - 1, max(k // 2, 0)):
         if 0 <= v <= n and v not in edges:
@@ -659,6 +666,8 @@ def ragged_lengths(batch: int, n: int, *, k: int = 2048, seed: int = 0) -> np.nd
 # --------------------------------------------------------------------------
 #: persistence of the weakly persistent layers of ``block_score_trace(..., layers=L)``
 WEAK_PERSISTENCE = 0.3
+_BT_MAX_NOISE = 1e6  # largest noise / |drift| of block_score_trace (beyond: float32 scores of pure jitter, or inf)
+_BT_MAX_DRIFT = 1e6
 _BT_DIM = 32  # query / key dimension of the block-trace model
 _BT_KEY_SMOOTH = 0.8  # correlation of neighbouring blocks' key contents (locality)
 _BT_SINK = 4.0  # score bonus of block 0 (attention sink)
@@ -671,18 +680,21 @@ def block_trace_persistence(layers, persistence: float = 0.9) -> tuple:
     ``ceil(L / 4)`` weakly persistent layers first (``WEAK_PERSISTENCE``) and ``persistence`` for the
     rest (one layer: ``(persistence,)``); a sequence is taken as the per-layer values."""
     if isinstance(layers, bool):
-        raise TypeError("layers must be an int or a sequence of floats")
+        raise TypeError("'layers' must be an int or a sequence of floats, got bool")
     if isinstance(layers, (int, np.integer)):
         L = int(layers)
         if L < 1:
-            raise ValueError(f"layers must be >= 1, got {L}")
+            raise ValueError(f"'layers' must be >= 1, got {L}")
         if L == 1:
             return (float(persistence),)
         weak = -(-L // 4)
         return (WEAK_PERSISTENCE,) * weak + (float(persistence),) * (L - weak)
-    vals = tuple(float(v) for v in layers)
+    try:
+        vals = tuple(float(v) for v in layers)
+    except TypeError as e:  # not iterable (a float), or items that are not numbers
+        raise TypeError(f"'layers' must be an int or a sequence of floats, got {type(layers).__name__}") from e
     if not vals:
-        raise ValueError("layers must not be empty")
+        raise ValueError("'layers' must not be empty")
     return vals
 
 
@@ -710,24 +722,28 @@ def block_score_trace(steps: int, num_blocks: int, *, persistence: float = 0.9, 
     layers: None (one layer at ``persistence``, 2-D result), an int L (``ceil(L/4)`` weakly
     persistent layers at ``WEAK_PERSISTENCE`` first, then ``persistence``:
     ``block_trace_persistence``), or a sequence of per-layer persistence values in [0, 1].
+    ``noise`` lies in [0, 1e6] and ``|drift|`` is at most 1e6 (beyond, the float32 scores would be
+    the jitter alone, or inf).
     """
     for name, v in (("steps", steps), ("num_blocks", num_blocks)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
         if v < 0:
-            raise ValueError(f"{name} must be >= 0, got {v}")
+            raise ValueError(f"'{name}' must be >= 0, got {v}")
     steps, num_blocks = int(steps), int(num_blocks)
     for name, v in (("persistence", persistence), ("drift", drift), ("noise", noise)):
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or not math.isfinite(v):
-            raise TypeError(f"{name} must be a finite float, got {v!r}")
+            raise TypeError(f"'{name}' must be a finite float, got {v!r}")
     if not 0.0 <= persistence <= 1.0:
-        raise ValueError(f"persistence must lie in [0, 1], got {persistence}")
-    if noise < 0:
-        raise ValueError(f"noise must be >= 0, got {noise}")
+        raise ValueError(f"'persistence' must lie in [0, 1], got {persistence}")
+    if not 0 <= noise <= _BT_MAX_NOISE:
+        raise ValueError(f"'noise' must lie in [0, {_BT_MAX_NOISE:g}], got {noise}")
+    if abs(drift) > _BT_MAX_DRIFT:
+        raise ValueError(f"'drift' must lie in [-{_BT_MAX_DRIFT:g}, {_BT_MAX_DRIFT:g}], got {drift}")
     rhos = block_trace_persistence(1 if layers is None else layers, persistence)
     for r in rhos:
         if not 0.0 <= r <= 1.0:
-            raise ValueError(f"layer persistence values must lie in [0, 1], got {r}")
+            raise ValueError(f"'layers': per-layer persistence values must lie in [0, 1], got {r}")
     out = np.empty((len(rhos), steps, num_blocks), np.float32)
     for li, rho in enumerate(rhos):
         out[li] = _block_layer(steps, num_blocks, rho, float(drift), float(noise), seed, li)

@@ -1,6 +1,8 @@
 """TopKDecoder: per-layer decode-loop state for gvr.topk_decode."""
 from __future__ import annotations
 
+import numbers
+
 from .topk import topk_decode
 
 __all__ = ["TopKDecoder"]
@@ -21,10 +23,11 @@ class TopKDecoder:
 
     def __init__(self, num_layers: int, max_batch: int, k: int, device="cuda"):
         for name, v in (("num_layers", num_layers), ("max_batch", max_batch), ("k", k)):
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # NumPy integers too
                 raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
             if v < 0 or (name != "k" and v == 0):
                 raise ValueError(f"'{name}' must be {'>= 0' if name == 'k' else 'positive'}, got {v}")
+        num_layers, max_batch, k = int(num_layers), int(max_batch), int(k)
         self.num_layers, self.max_batch, self.k = num_layers, max_batch, k
         dev = str(device)
         if dev == "cpu":
@@ -57,21 +60,25 @@ class TopKDecoder:
 
     def prediction(self, layer: int):
         """The prediction the next call for ``layer`` will use, or None."""
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         if not self._valid[layer]:
             return None
         return self._bufs[layer][self._cur[layer]][: self._batch[layer]]
 
-    def _check_layer(self, layer):
-        if isinstance(layer, bool) or not isinstance(layer, int):
+    def _check_layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):  # NumPy integers too
             raise TypeError(f"'layer' must be an int, got {type(layer).__name__}")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"'layer' must lie in [0, {self.num_layers}), got {layer}")
+        return int(layer)
 
     def __call__(self, layer: int, scores, lengths=None, *, sorted: bool = False):
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         shape = getattr(scores, "shape", None)
-        if shape is None or len(shape) != 2:
+        if shape is None:  # a list, say: topk_decode takes arrays only
+            raise TypeError(f"'scores' must be a float32, float16 or bfloat16 array [B, N] (NumPy, torch, CuPy), got "
+                            f"{type(scores).__name__}")
+        if len(shape) != 2:
             raise ValueError(f"'scores' must have shape [B, N], got {shape}")
         B = int(shape[0])
         if not 1 <= B <= self.max_batch:
