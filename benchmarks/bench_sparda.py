@@ -73,6 +73,8 @@ def main():
                     help="shapes: also the matmul under each shape's gathers with cuBLAS kept off this many SMs "
                          "(comma-separated, e.g. 0,2,4; torch's experimental SM carveout with cuBLASLt); pipeparts, "
                          "pipefp8: each pipeline again with each carveout (the layers' GEMVs off those SMs)")
+    ap.add_argument("--kv", nargs="+", choices=("fp8", "bfloat16"), default=("fp8", "bfloat16"),
+                    help="pipeparts, pipefp8: the KV caches' dtypes to run (default both)")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import gvr.sparda  # noqa: F401
@@ -94,12 +96,14 @@ def main():
             r = {"header": meta, "pipelines": [
                 _carved(torch, c, lambda: pipeline(gvr, torch, timer, "light", prefetcher=False, kv=kv, parts=True,
                                                    timeline=args.timeline and c is None and f"{args.timeline}_light_{kv}"))
-                for kv in ("fp8", "bfloat16") for c in (None,) + args.sm_carveout]}
+                for kv in args.kv for c in (None,) + args.sm_carveout]}
+            r["pipelines"] = [p for p in r["pipelines"] if p is not None]  # (None: no carveout in this torch)
         elif args.only == "pipefp8":
             r = {"header": meta, "pipelines": [
                 _carved(torch, c, lambda: pipeline(gvr, torch, timer, lay, prefetcher=False, kv=kv, priority=pr))
-                for lay in ("8b", "light") for kv in ("fp8", "bfloat16") for pr in (0, -1)
+                for lay in ("8b", "light") for kv in args.kv for pr in (0, -1)
                 for c in (None,) + args.sm_carveout]}
+            r["pipelines"] = [p for p in r["pipelines"] if p is not None]
         else:
             r = {"header": meta, "pipelines": [pipeline(gvr, torch, timer, lay) for lay in ("8b", "light")]}
         if args.json:

@@ -76,6 +76,9 @@ def main():
     print(f"{'kind':20s} {'N':>7s} {'k':>5s} {'B':>3s} {args.label:>10s} {'other':>10s} {'ratio':>6s} passes check")
     for n in args.n:
         for k in args.k:
+            if not 1 <= k <= n:  # (k = 0 and k > N have nothing to measure: empty or every element)
+                print(f"skipped: k = {k} at N = {n} (1 <= k <= N measured)")
+                continue
             rng = np.random.default_rng(n + k)
             for name, row in kinds(rng, n, k).items():
                 want = reference(row, k)

@@ -154,7 +154,8 @@ static int from_numpy(PyArrayObject *arr, int writable, gvr_view *v)
  * ValueError that names no argument) as `type` naming the argument, the original as its __cause__. */
 static void rename_export_error(PyObject *type, const char *name, const char *what)
 {
-    if (PyErr_ExceptionMatches(PyExc_MemoryError) || PyErr_ExceptionMatches(PyExc_KeyboardInterrupt))
+    if (!PyErr_ExceptionMatches(PyExc_Exception) || PyErr_ExceptionMatches(PyExc_MemoryError) ||
+        PyErr_ExceptionMatches(PyExc_RecursionError))
         return;
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);

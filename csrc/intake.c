@@ -655,8 +655,9 @@ int gvr_intake_run(gvr_intake *in, const gvr_spec *spec, PyObject *const *objs, 
             for (int d = 0; d < in->view[i].ndim && d < GVR_VIEW_MAX_NDIM; d++)
                 at += snprintf(buf + at, sizeof buf - (size_t)at, "%s%lld", d ? ", " : "",
                                (long long)in->view[i].strides[d]);
-            PyErr_Format(PyExc_ValueError, "'%s' must not have elements that overlap each other (an output), got "
-                         "strides (%s) in elements", spec->args[i].name, buf);
+            PyErr_Format(PyExc_ValueError, "'%s' is an output whose elements may overlap each other (strides (%s) "
+                         "in elements: a stride 0, or strides that interleave); pass a dense or sliced array",
+                         spec->args[i].name, buf);
             return -1;
         }
         for (int j = 0; j < spec->nargs; j++)

@@ -144,7 +144,7 @@ static int run_cpu(gvr_topk_params *p, const gvr_intake *in, int32_t *len_copy, 
     const int64_t bad = topk_map_overflow_cpu(p, &q, &page);
     if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "'block_table' maps row %lld's page %lld to page %d: its slots (page * "
-                     "page_size + offset, page_size = %d) exceed int32 (the slots must fit in int32)",
+                     "page_size + offset, page_size = %d) exceed int32",
                      (long long)bad, (long long)q, page, p->page_size);
         return -1;
     }

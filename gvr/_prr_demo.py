@@ -72,10 +72,10 @@ def parse_args(argv):
     if not (math.isfinite(a.budget) and a.budget >= 0):
         p.error(f"--budget must be a finite number >= 0, got {a.budget}")
     blocks = _geometry(a)[2]
-    if a.k > blocks:  # more than the cache holds selects nothing more, but sizes buffers by k
-        p.error(f"--k must be at most {blocks}, the cache's blocks per row, got {a.k}")
+    a.k_asked = a.k
+    a.k = min(a.k, blocks)  # more than the cache's blocks selects nothing more (main says so), but sizes buffers by k
     mem = _host_memory()
-    if _host_bytes(a) > mem:
+    if _host_bytes(a) > mem:  # (every layer's float32 caches are made on the host; on CUDA one layer at a time)
         p.error(f"--context, --batch, --heads, --dim and --layers ask for about {_host_bytes(a) / 2**30:.3g} GiB of "
                 f"caches and buffers; this machine has {mem / 2**30:.3g} GiB")
     return a
@@ -98,12 +98,13 @@ def _host_memory():
 
 
 def _host_bytes(a):
-    """Rough size of the demo's largest arrays over all layers: float32 K and V, the block table and metadata
-    (2 vectors of D per block and KV head), the selections and the predictors' per-block states."""
+    """Rough host size of the demo's largest arrays: float32 K and V, the block table and metadata (2 vectors of
+    D per block and KV head), the selections and the predictors' per-block states -- every layer's (--device
+    cuda: one layer's, made on the host and moved to the device before the next)."""
     P, pages, blocks = _geometry(a)
     (Hq, Hkv), B, D = a.heads, a.batch, a.dim
     per_layer = 4 * B * (2 * pages * P * Hkv * D + pages + 2 * blocks * Hkv * D + 8 * blocks * Hkv + 4 * Hkv * a.k)
-    return a.layers * per_layer
+    return per_layer if a.device == "cuda" else a.layers * per_layer
 
 
 def _pick_device(a):
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
     gvr.set_num_threads(a.threads)
     cuda = device == "cuda"
     B, (Hq, Hkv), D, G, k = a.batch, a.heads, a.dim, a.block_size, a.k
+    if a.k_asked > k:
+        print(f"note: --k {a.k_asked} is more than the cache's {k} blocks per row: k = {k}")
     P, max_pages, max_blocks = _geometry(a)
     rng = np.random.default_rng(a.seed)
 

@@ -43,6 +43,7 @@ the C and CUDA paths give the same bits.
 from __future__ import annotations
 
 import itertools
+import numbers
 from numbers import Real
 
 import numpy as np
@@ -70,6 +71,8 @@ def _int32_list(name, v):
     """a list or tuple of ints as an int32 array: non-integers and values past int32 named (np.asarray
     would truncate 4.9 to 4, or raise an OverflowError naming nothing)"""
     a = np.asarray(v)
+    if a.dtype == object and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in a.ravel()):
+        raise ValueError(f"'{name}' values must fit in int32, got {min(a.ravel())}..{max(a.ravel())}")  # past int64
     if a.dtype == bool or (a.size and not np.issubdtype(a.dtype, np.integer)):
         raise TypeError(f"'{name}' must hold ints, got {a.dtype} values")
     if a.size and (a.min() < -2**31 or a.max() > 2**31 - 1):

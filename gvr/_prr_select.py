@@ -107,11 +107,10 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
     B, Hkv, Nb = ms[:3]
     if kk > 2**31 - 1:  # before [B, Hkv, k] is allocated
         raise ValueError(f"{name}: 'k' must be at most 2147483647, got {kk}")
-    if out is not None:  # (scores_out is checked against the inputs by the scores intake)
-        for other, arr in (("scores_out", scores_out), ("q", q), ("meta", meta), ("lengths", lengths)):
-            if arr is not None and _overlap(out, arr):
-                raise ValueError(f"{name}: 'out' must not overlap '{other}'")
     if out is not None:  # named before anything is written (scores_out included)
+        for other, arr in (("scores_out", scores_out), ("q", q), ("meta", meta), ("lengths", lengths)):
+            if arr is not None and _overlap(out, arr):  # (scores_out vs the inputs: the scores intake)
+                raise ValueError(f"{name}: 'out' must not overlap '{other}'")
         osh = _shape(out)
         if osh is None:
             raise TypeError(f"{name}: 'out' must be an int32 array [B, Hkv, k], got {type(out).__name__}")
@@ -353,8 +352,10 @@ def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", i
         _check_traced_stream(stream, "prr.select_blocks")
         _check_blocks(init_blocks, "init_blocks")
         _check_blocks(local_blocks, "local_blocks")
-        if isinstance(k, bool) or (isinstance(k, int) and k < 0):
-            raise ValueError(f"prr.select_blocks: 'k' must be an int >= 0, got {k!r}")
+        if isinstance(k, bool):
+            raise TypeError("prr.select_blocks: 'k' must be an int >= 0, got bool")
+        if isinstance(k, int) and k < 0:
+            raise ValueError(f"prr.select_blocks: 'k' must be an int >= 0, got {k}")
         if meta.dim() != 5:
             raise ValueError(f"prr.select_blocks: 'meta' must be [B, Hkv, Nb, 2, D], got {list(meta.shape)}")
         B, Hkv, Nb = meta.shape[:3]

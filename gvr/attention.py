@@ -182,8 +182,8 @@ def _attention(q, k_cache, v_cache, indices, lengths, block_table, block_size, s
     if compiling():
         _check_traced_stream(stream, name)
         if partials is not None and (not isinstance(partials, (tuple, list)) or len(partials) != 2):
-            raise TypeError("'partials' must be a pair (part_out, part_lse) or None, got "
-                            f"{type(partials).__name__} of {len(partials) if isinstance(partials, (tuple, list)) else 1}")
+            n = f" of {len(partials)}" if isinstance(partials, (tuple, list)) else ""
+            raise TypeError(f"'partials' must be a pair (part_out, part_lse) or None, got {type(partials).__name__}{n}")
         if isinstance(block_size, bool):
             raise TypeError("'block_size' must be an int, got bool")
         if out is None and lse is None and partials is None and not accumulate:

@@ -497,11 +497,19 @@ def decode_trace_batch(
 # --------------------------------------------------------------------------
 # i.i.d. rows
 # --------------------------------------------------------------------------
+def _seed(seed):
+    """an int seed masked to 64 bits (any int, as the other generators take it); anything else
+    default_rng takes (None, a SeedSequence, a Generator, a sequence of ints) as it is"""
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        return int(seed) & 0xFFFFFFFFFFFFFFFF
+    return seed
+
+
 def iid_scores(batch: int, n: int, *, dist: str = "normal", seed: int = 0) -> np.ndarray:
     """float32 [batch, n] of i.i.d. draws; ``dist`` in {"normal", "uniform",
     "exponential"} (standard forms: N(0,1), U[0,1), Exp(1))."""
     shape = (_int("batch", batch, 0), _int("n", n, 0))
-    rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)  # any int seed, as the other generators
+    rng = np.random.default_rng(_seed(seed))  # any int seed, as the other generators
     if dist == "normal":
         return rng.standard_normal(shape, dtype=np.float32)
     if dist == "uniform":
@@ -651,7 +659,7 @@ def ragged_lengths(batch: int, n: int, *, k: int = 2048, seed: int = 0) -> np.nd
     k-1, k, k+1, n-1 (those in range, deduplicated, in that priority while
     ``batch`` allows) plus uniform draws, shuffled."""
     batch, n = _int("batch", batch, 0), _int("n", n, 0)
-    rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)  # any int seed, as the other generators
+    rng = np.random.default_rng(_seed(seed))  # any int seed, as the other generators
     edges = []
     for v in (0, n, 1, 2, k - 1, k, k + 1, n - 1, max(k // 2, 0)):
         if 0 <= v <= n and v not in edges:

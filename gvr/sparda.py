@@ -55,7 +55,14 @@ def _forecast_error(e):
     msg = str(e)
     for a, b in _FORECAST_NAMES:
         msg = msg.replace(a, b)
-    return type(e)(msg)
+    if msg == str(e):
+        return e
+    try:
+        new = type(e)(msg)
+    except Exception:  # an exception class whose constructor takes other arguments: the original
+        return e
+    new.__cause__ = e.__cause__
+    return new
 
 
 def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=16, tau=1.0, eligible=None,
@@ -246,7 +253,10 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
         return _run_select(F, meta, k, lengths, stride, "max", init_blocks, local_blocks, out, stream,
                            window=kernel, name="sparda.forecast_select")
     except (ValueError, TypeError) as e:
-        raise _forecast_error(e) from None
+        new = _forecast_error(e)
+        if new is e:
+            raise
+        raise new from e.__cause__
 
 
 def _ckeys_shape(k_cache, block_table, kernel, stride):
@@ -337,7 +347,9 @@ def compressed_keys(k_cache, block_table, lengths=None, *, kernel=32, stride=16,
             raise ValueError(f"sparda.compressed_keys: 'k_cache' must be [num_pages, P, Hkv, D] and 'block_table' "
                              f"[B, max_pages], got {list(k_cache.shape)} and {list(block_table.shape)}")
         r = _ckeys_op.call(k_cache, block_table, lengths, kernel, stride)
-        return traced_out(out, r, "out", "sparda.compressed_keys")
+        t = _torch_module()
+        fp8 = k_cache.dtype == getattr(t, "float8_e4m3fn", None)  # eager writes any float ktilde of an fp8 cache
+        return traced_out(out, r, "out", "sparda.compressed_keys", (t.float16, t.bfloat16, t.float32) if fp8 else None)
     return _run_ckeys(k_cache, block_table, lengths, None, out, kernel, stride, stream)
 
 

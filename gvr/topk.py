@@ -173,8 +173,8 @@ def topk_decode(scores, k, *, prev_topk=None, lengths=None, out=None, sorted=Fal
                SGLang's ``row_starts``): row b is ``scores[b, row_starts[b] : row_starts[b] + lengths[b]]``
                (to the end of the row without lengths), and its results are positions relative to
                ``row_starts[b]`` (add it back for indices into the buffer: FlashInfer's ragged
-               transform). Scores of one row (``[N]`` or ``[1, N]``) with B > 1 starts: B rows over that
-               one flat buffer, no copy. Host values must lie in [0, N] with start + length <= N
+               transform). Scores of one row -- ``[N]`` with any number B of starts, or ``[1, N]``
+               with B > 1 -- give B rows over that one flat buffer, no copy (result ``[B, k]``). Host values must lie in [0, N] with start + length <= N
                (ValueError); device values are clamped.
     next_n:    rows per request (MTP / speculative decoding: the next_n query rows of one request are
                consecutive), B a multiple of it. Then ``lengths``, ``prev_topk`` and ``block_table``

@@ -21,8 +21,8 @@
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
 #   spardacarveout  bench_sparda --only shapes --sm-carveout 0,1,2,4,8 (the matmul under the gathers with cuBLAS
 #              kept off that many SMs: issue 14's matmul-slowdown bar)
-#   spardapartscarve  bench_sparda --only pipeparts --sm-carveout 2 (each light pipeline again with its GEMVs
-#              kept off 2 SMs: issue 14's hidden share)
+#   spardapartscarve  bench_sparda --only pipeparts --sm-carveout 0,2 (each light pipeline again on cuBLASLt
+#              without and with its GEMVs kept off 2 SMs, fp8 KV: issue 14's hidden share)
 #   spardafp8  bench_sparda --only fp8 (prefetch from an fp8 host cache vs a bfloat16 one)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   spardapipefp8  bench_sparda --only pipefp8 (the pipelines over fp8 host caches beside bfloat16 ones)
@@ -287,10 +287,10 @@ spardaparts() {  # bench_sparda --only pipeparts: the light layer's pipeline wit
     --json "$OUT/results_sparda_pipeparts.json" --timeline "$OUT/timeline") 2>&1 | tee "$OUT/bench_sparda_pipeparts.log" | tail -12
 }
 
-spardapartscarve() {  # pipeparts, each pipeline also with the layers' GEMVs kept off 2 SMs (cuBLASLt carveout)
-  say "bench_sparda --only pipeparts --sm-carveout 2"
-  (cd /tmp && timeout -k 5 580 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeparts \
-    --sm-carveout 2 --json "$OUT/results_sparda_pipeparts_carveout.json") 2>&1 \
+spardapartscarve() {  # pipeparts, each pipeline also with cuBLASLt (carveout 0: the backend alone) and its GEMVs off 2 SMs
+  say "bench_sparda --only pipeparts --sm-carveout 0,2"
+  (cd /tmp && timeout -k 5 590 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeparts \
+    --sm-carveout 0,2 --kv fp8 --json "$OUT/results_sparda_pipeparts_carveout.json") 2>&1 \
     | tee "$OUT/bench_sparda_pipeparts_carveout.log" | grep -E "^--|pipeline|only" | tail -16
 }
 

@@ -39,7 +39,6 @@ def test_demo_bad_arguments_are_usage_errors(args, option, capsys):
     (["--dim", HUGE], "--dim"), (["--k", HUGE], "--k"), (["--heads", HUGE, "1"], "--heads"),
     (["--heads", "4", HUGE], "--heads"), (["--layers", HUGE], "--layers"), (["--block-size", HUGE], "--block-size"),
     (["--steps", HUGE], "--steps"), (["--context", str(2**31 - 1), "--steps", "2"], "--context"),
-    (["--k", "2000", "--context", "1024", "--block-size", "16"], "--k"),  # more than the cache's blocks
     (["--batch", str(2**31 - 1)], "--context, --batch"),  # caches far beyond any machine's memory
 ])
 def test_prr_demo_bad_arguments_are_usage_errors(args, option, capsys):
@@ -47,6 +46,21 @@ def test_prr_demo_bad_arguments_are_usage_errors(args, option, capsys):
         prr_demo.parse_args(args + ["--device", "cpu"])
     assert e.value.code == 2
     assert f"error: {option}" in capsys.readouterr().err
+
+
+def test_prr_demo_k_past_the_cache_is_clamped():
+    """more blocks than the cache holds select nothing more: k is the cache's blocks (main prints a note)"""
+    a = prr_demo.parse_args(["--k", "2000", "--context", "1024", "--block-size", "16", "--device", "cpu"])
+    assert a.k == prr_demo._geometry(a)[2] < 2000 and a.k_asked == 2000
+    assert prr_demo.parse_args(["--context", "256", "--device", "cpu"]).k == prr_demo._geometry(
+        prr_demo.parse_args(["--context", "256", "--device", "cpu"]))[2]  # default k 32 over 9 blocks
+
+
+def test_seed_forms_default_rng_takes_still_work():
+    for seed in (None, np.random.SeedSequence(5), [1, 2]):
+        assert data.iid_scores(2, 8, seed=seed).shape == (2, 8)
+        assert data.ragged_lengths(2, 100, seed=seed).shape == (2,)
+    assert np.array_equal(data.iid_scores(2, 8, seed=-1), data.iid_scores(2, 8, seed=2**64 - 1))
 
 
 def test_demo_defaults_still_parse():
