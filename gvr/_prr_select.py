@@ -91,7 +91,7 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
     name: the public function that errors raised here name."""
     _check_blocks(init_blocks, "init_blocks")
     _check_blocks(local_blocks, "local_blocks")
-    fw = framework(q)
+    fw = _scratch_framework(q, framework(q), name)  # (before anything is written)
     ofw = fw if out is None else framework(out)
     if ofw != fw and not _contiguous(out, ofw):  # (a contiguous one is written directly, as topk_decode takes it)
         raise TypeError(f"{name}: a non-contiguous 'out' must be in q's framework ({fw}), got "
@@ -130,6 +130,21 @@ def _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, loca
         _copy_into(out, res, fw)
         return out
     return res
+
+
+def _scratch_framework(q, fw, name):
+    """the framework of select_blocks' scratch buffers and result: q's, or NumPy for another DLPack
+    producer in host memory"""
+    if fw in ("numpy", "torch", "cupy"):
+        return fw
+    try:
+        host = q.__dlpack_device__()[0] in (1, 3)  # kDLCPU, kDLCUDAHost
+    except Exception:
+        host = False
+    if host:
+        return "numpy"
+    raise TypeError(f"{name}: 'q' must be a NumPy array, a torch tensor, a CuPy array or a DLPack producer in host "
+                    f"memory, got {type(q).__name__}")
 
 
 def _overlap(a, b):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 from . import _C
 from ._interop import (
     _host_view, _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle, torch_if_loaded,
@@ -178,6 +180,18 @@ def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=
     return kl.sum() if reduction == "sum" else kl.mean()
 
 
+def _host_array(x, name):
+    """x as a NumPy array: NumPy arrays and lists as np.asarray takes them, other DLPack producers in host
+    memory by np.from_dlpack (no copy); a producer on a device is a TypeError naming x"""
+    if isinstance(x, np.ndarray) or not hasattr(x, "__dlpack__"):
+        return np.asarray(x)
+    try:
+        return np.from_dlpack(x)
+    except Exception as e:
+        raise TypeError(f"'{name}' must be a torch tensor, a NumPy array or a DLPack producer in host memory, got "
+                        f"{type(x).__name__} ({type(e).__name__}: {e})") from None
+
+
 def _num_windows(lengths, kernel, stride):
     """complete compression windows per row: len >= kernel ? (len - kernel) // stride + 1 : 0 (int32, same
     framework and device as lengths; no host round trip for device tensors)."""
@@ -185,8 +199,7 @@ def _num_windows(lengths, kernel, stride):
         t = _torch()
         n = t.div(lengths.to(t.int64) - kernel, stride, rounding_mode="floor") + 1
         return n.clamp_min(0).to(t.int32)
-    import numpy as np
-    ln = np.asarray(lengths)
+    ln = _host_array(lengths, "lengths")
     if ln.dtype != np.int32:
         raise TypeError(f"'lengths' must be int32 [B], got {ln.dtype}"
                         + ("" if hasattr(lengths, "dtype") else f" (from a {type(lengths).__name__})"))
@@ -216,6 +229,9 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
     from ._prr_select import _run_select, select_blocks
     kernel = _check_int("kernel", kernel, 1, _I32_MAX)
     stride = _check_int("stride", stride, 1, _I32_MAX)
+    if hasattr(ktilde, "__dlpack__") and not isinstance(ktilde, np.ndarray) and \
+            not type(ktilde).__module__.startswith("torch"):  # another DLPack producer: viewed in NumPy
+        ktilde = _host_array(ktilde, "ktilde")
     shape = getattr(ktilde, "shape", None)
     if shape is None:
         raise TypeError(f"'ktilde' must be an array [B, Hkv, Nc, D], got {type(ktilde).__name__}")
@@ -231,8 +247,7 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
     if type(ktilde).__module__.startswith("torch"):
         meta = ktilde.unsqueeze(3).expand(B, H, Nc, 2, D)
     else:
-        import numpy as np
-        kt = np.asarray(ktilde)
+        kt = _host_array(ktilde, "ktilde")
         meta = np.lib.stride_tricks.as_strided(kt, (B, H, Nc, 2, D), kt.strides[:3] + (0,) + kt.strides[3:],
                                                writeable=False)
     if compiling():  # the window counts by torch ops (inductor fuses them), then select_blocks' ops

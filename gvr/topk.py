@@ -27,6 +27,8 @@ def _out_shape(scores, k):
 def _flat_rows(scores, fw, row_starts):
     """A flat scores buffer (``[N]`` with ``row_starts`` of any B rows, or ``[1, N]`` with B > 1): the
     ``[B, N]`` view of stride 0 over it (no copy), so every row reads the one buffer from its start."""
+    if fw not in ("numpy", "torch", "cupy"):  # another DLPack producer: as given (gvr._C names a shape problem)
+        return scores
     rs = getattr(row_starts, "shape", None)
     sh = getattr(scores, "shape", None)
     if rs is None or sh is None or len(rs) != 1 or not (len(sh) == 1 or (len(sh) == 2 and sh[0] == 1 and int(rs[0]) > 1)):

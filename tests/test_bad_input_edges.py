@@ -239,3 +239,28 @@ def test_forecast_select_messages_name_its_arguments():
         msg = _raises(exc, names, fn)
         assert not any(w in msg for w in internal), msg
     assert gvr.sparda.forecast_select(F, kt, 4, lengths=L, kernel=np.int64(16), stride=np.int32(8)).shape == (2, 2, 4)
+
+
+# ---- other DLPack producers (a third fuzz round: fake CUDA tensors everywhere found no crash) -----
+def test_select_blocks_and_forecast_select_take_host_dlpack_producers():
+    from conftest import FakeDLPack, NumpyProducer
+    rng = np.random.default_rng(8)
+    q = rng.random((2, 4, 16), dtype=F32)
+    meta = rng.random((2, 2, 4, 2, 16), dtype=F32)
+    sco = np.full((2, 2, 4), -7, F32)
+    got = gvr.prr.select_blocks(NumpyProducer(q), meta, 2, block_size=4, scores_out=sco)
+    assert np.array_equal(got, gvr.prr.select_blocks(q, meta, 2, block_size=4))  # (was an AttributeError)
+    sco[...] = -7
+    fake_q = FakeDLPack(shape=(2, 4, 16), dtype=F32, data=None, device=(2, 0), null_deleter=True)
+    _raises(TypeError, ["q"], lambda: gvr.prr.select_blocks(fake_q, meta, 2, block_size=4, scores_out=sco))
+    assert (sco == -7).all()  # named before anything is written
+    F = rng.random((2, 2, 16), dtype=F32)
+    kt = rng.random((2, 2, 4, 16), dtype=F32)
+    L = np.full(2, 16, I32)
+    want = gvr.sparda.forecast_select(F, kt, 2, lengths=L, kernel=4, stride=4)
+    assert np.array_equal(gvr.sparda.forecast_select(F, NumpyProducer(kt), 2, lengths=NumpyProducer(L), kernel=4,
+                                                     stride=4), want)
+    fake = FakeDLPack(shape=(2, 2, 4, 16), dtype=F32, data=None, device=(2, 0), null_deleter=True)
+    _raises(TypeError, ["ktilde"], lambda: gvr.sparda.forecast_select(F, fake, 2, lengths=L, kernel=4, stride=4))
+    fake_l = FakeDLPack(shape=(2,), dtype=I32, data=None, device=(2, 0), null_deleter=True)
+    _raises(TypeError, ["lengths"], lambda: gvr.sparda.forecast_select(F, kt, 2, lengths=fake_l, kernel=4, stride=4))
