@@ -48,6 +48,7 @@ and nothing synchronizes the device. Usage: python benchmarks/bench_sparda.py [-
 [--only prefetcher|shapes|pipeline|fp8|pipefp8|pipeparts|select] [--sm-carveout 0,2,4] [--timeline PREFIX]
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -270,37 +271,47 @@ def main():
 SHAPES = ((16, 8, 16), (32, 2, 4), (64, 1, 4), ("tma", 1), ("tma", 2), ("tma", 4), ("tma", 8))
 
 
-def _carveout(torch, c, backend=None):
-    """cuBLAS's SM carveout for torch's matmuls (torch._C._set_sm_carveout_experimental: cuBLASLt's
-    SM_COUNT_TARGET = SMs - c, read per call), with the cuBLASLt backend that honours it; c None: no
-    carveout and the BLAS backend set back to `backend`. Returns False where this torch has no carveout."""
+@contextlib.contextmanager
+def _carveout(torch, c):
+    """cuBLAS kept off c SMs for torch's matmuls inside the block (torch._C._set_sm_carveout_experimental:
+    cuBLASLt's SM_COUNT_TARGET = SMs - c, read per call, with the cuBLASLt backend that honours it), then
+    no carveout and the previous backend. Yields False (and changes nothing) where this torch has none."""
     setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
     if setter is None:
-        return False
-    if c is None:
+        print("carveout: this torch has no torch._C._set_sm_carveout_experimental; skipped", flush=True)
+        yield False
+        return
+    blas = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    setter(int(c))
+    try:
+        yield True
+    finally:
         setter(None)
-        torch.backends.cuda.preferred_blas_library(backend)
-    else:
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        setter(int(c))
-    return True
+        torch.backends.cuda.preferred_blas_library(blas)
 
 
 def _carved(torch, c, fn):
-    """fn() with cuBLAS kept off c SMs (None: as is); its result dict records the carveout"""
+    """fn() with cuBLAS kept off c SMs (None: as is); its result dict records the carveout (None: no carveout
+    in this torch)"""
     if c is None:
         return fn()
-    blas = torch.backends.cuda.preferred_blas_library()
-    if not _carveout(torch, c):
-        print("carveout: this torch has no torch._C._set_sm_carveout_experimental; skipped", flush=True)
-        return None
-    print(f"-- cuBLAS(Lt) kept off {c} SMs:", flush=True)
-    try:
+    with _carveout(torch, c) as ok:
+        if not ok:
+            return None
+        print(f"-- cuBLAS(Lt) kept off {c} SMs:", flush=True)
         r = fn()
         r["sm_carveout"] = c
         return r
-    finally:
-        _carveout(torch, None, blas)
+
+
+def _shape_kw(shape):
+    """prefetch's keyword arguments for one of SHAPES, and its name"""
+    if shape[0] == "tma":
+        return dict(max_ctas=shape[1], method="tma"), f"tma {shape[1]} CTAs"
+    ctas, warps, loads = shape
+    return (dict(max_ctas=ctas, cta_warps=warps, lane_loads=loads, method="kernel"),
+            f"kernel {ctas} CTAs x {warps} warps x {loads} loads")
 
 
 def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True, carveouts=()):
@@ -341,16 +352,24 @@ def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True, carveouts
     dst = {n: (torch.empty((n, P, Hkv, D), dtype=bf, device=dev), torch.empty((n, P, Hkv, D), dtype=bf, device=dev))
            for n in (32, 512)}
     sm = torch.empty((1, pages), dtype=torch.int32, device=dev)
+
+    def mm_under_gathers(kw):  # the matmul while 40 gathers of 512 blocks run on the side stream
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            for _ in range(40):
+                gvr.sparda.prefetch(hk, hv, sels[512], *dst[512], slot_map_out=sm, stream=side, **kw)
+        t = mm_time()
+        torch.cuda.synchronize()
+        return t
+
     alone = mm_time()
     out = []
     for shape in shape_list:
+        kw, what = _shape_kw(shape)
         if shape[0] == "tma":  # the bulk-copy gather: one thread per CTA, 176 KiB of loads in flight each
-            ctas, warps, loads = shape[1], 1, None
-            kw = dict(max_ctas=ctas, method="tma")
-            row = {"method": "tma", "ctas": ctas, "bytes_in_flight": ctas * 11 * 16384}
+            row = {"method": "tma", "ctas": shape[1], "bytes_in_flight": shape[1] * 11 * 16384}
         else:
             ctas, warps, loads = shape
-            kw = dict(max_ctas=ctas, cta_warps=warps, lane_loads=loads, method="kernel")
             row = {"method": "kernel", "ctas": ctas, "warps": warps, "lane_loads": loads,
                    "bytes_in_flight": ctas * warps * 32 * loads * 16}
         for n in (32, 512):
@@ -360,47 +379,29 @@ def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True, carveouts
             row[f"us_{n}"] = t
             row[f"gbps_{n}"] = 2 * n * P * Hkv * D * 2 / t / 1e3
         ok = bool(torch.equal(dst[512][0][sm[0, sels[512][0, 0].long()].long()].cpu(), hk[sels[512][0, 0].long().cpu()]))
-        torch.cuda.synchronize()
-        with torch.cuda.stream(side):
-            for _ in range(40):
-                gvr.sparda.prefetch(hk, hv, sels[512], *dst[512], slot_map_out=sm, stream=side, **kw)
-        with_g = mm_time()
-        torch.cuda.synchronize()
-        row["matmul_slowdown"] = with_g / alone - 1.0
+        row["matmul_slowdown"] = mm_under_gathers(kw) / alone - 1.0
         row["ok"] = ok
         out.append(row)
-        what = f"tma {ctas} CTAs" if loads is None else f"kernel {ctas} CTAs x {warps} warps x {loads} loads"
         print(f"shape {what} ({row['bytes_in_flight'] >> 10} KiB in flight): "
               f"32 blocks {row['us_32']:.1f} us ({row['gbps_32']:.1f} GB/s), 512 blocks {row['us_512']:.0f} us "
               f"({row['gbps_512']:.1f} GB/s); matmul {alone:.0f} us alone, +{100 * row['matmul_slowdown']:.1f}% "
               f"under the gathers{'' if ok else ' MISMATCH'}", flush=True)
-    blas = torch.backends.cuda.preferred_blas_library()
     for c in carveouts:
-        if not _carveout(torch, c):
-            print("carveout: this torch has no torch._C._set_sm_carveout_experimental; skipped", flush=True)
-            break
-        try:
+        with _carveout(torch, c) as have:
+            if not have:
+                break
             torch.cuda.synchronize()
             alone_c = mm_time()
             print(f"carveout {c} SMs (cuBLASLt): matmul alone {alone_c:.0f} us ({100 * (alone_c / alone - 1):+.1f}% "
                   f"against the default's {alone:.0f})", flush=True)
             for shape in shape_list:
-                kw = (dict(max_ctas=shape[1], method="tma") if shape[0] == "tma" else
-                      dict(max_ctas=shape[0], cta_warps=shape[1], lane_loads=shape[2], method="kernel"))
-                torch.cuda.synchronize()
-                with torch.cuda.stream(side):
-                    for _ in range(40):
-                        gvr.sparda.prefetch(hk, hv, sels[512], *dst[512], slot_map_out=sm, stream=side, **kw)
-                with_g = mm_time()
-                torch.cuda.synchronize()
-                what = f"tma {shape[1]} CTAs" if shape[0] == "tma" else "kernel {} CTAs x {} warps x {} loads".format(*shape)
+                kw, what = _shape_kw(shape)
+                with_g = mm_under_gathers(kw)
                 out.append({"carveout": c, "method": kw["method"], "ctas": kw["max_ctas"], "shape": list(shape),
                             "matmul_alone_us": alone_c, "matmul_us": with_g, "matmul_slowdown": with_g / alone - 1.0,
                             "matmul_slowdown_vs_carved": with_g / alone_c - 1.0})
                 print(f"carveout {c}: {what}: matmul {100 * (with_g / alone - 1):+.1f}% (against the carved matmul "
                       f"alone {100 * (with_g / alone_c - 1):+.1f}%)", flush=True)
-        finally:
-            _carveout(torch, None, blas)
     for ctas, warps, loads in ((16, 8, 16), (4, 1, 4)) if idle_prefetcher else ():
         torch.cuda.synchronize()
         pf = gvr.sparda.Prefetcher(staging_pages=32, batch=1, max_pages=pages, entries=32, ctas=ctas, cta_warps=warps,

@@ -377,24 +377,9 @@ def select_blocks(q, meta, k, lengths=None, *, block_size, group_reduce="max", i
         if scores_out is None:
             s, c = _scores_op.call(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks)
         else:
-            _check_traced_scores_out(scores_out, (B, Hkv, Nb))
             s, c, raw = _select_scores_op.call(q, meta, lengths, block_size, group_reduce, init_blocks, local_blocks)
+            traced_out(scores_out, raw, "scores_out", "prr.select_blocks")  # (checked as eager calls check it)
         r = topk_decode(s.reshape(B * Hkv, Nb), k, lengths=c.reshape(B * Hkv), sorted=sorted).reshape(B, Hkv, k)
-        if scores_out is not None:
-            scores_out.copy_(raw)
         return traced_out(out, r, "out", "prr.select_blocks")
     return _run_select(q, meta, k, lengths, block_size, group_reduce, init_blocks, local_blocks, out, stream, sorted,
                        scores_out)
-
-
-def _check_traced_scores_out(x, shape):
-    """select_blocks' scores_out under torch.compile, checked as gvr._C checks it in eager calls (a
-    copy_ would convert a wrong dtype and broadcast a wrong shape silently)."""
-    t = _torch_module()
-    if not isinstance(x, t.Tensor):
-        raise TypeError(f"'scores_out' must be a torch tensor under torch.compile, got {type(x).__name__}")
-    if x.dtype != t.float32:
-        raise TypeError(f"'scores_out' must be float32, got {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"'scores_out' must have shape [B, Hkv, Nb] = {list(shape)} (from 'meta'), got "
-                         f"{list(x.shape)}")
