@@ -349,3 +349,40 @@ def test_page_table_transform_graph_replay_and_compile():
     got = f(x, bt)
     ref = gvr.topk_decode(x, k, block_table=bt, page_size=P, sorted=True)
     assert torch.equal(got, ref)
+
+
+def equal_runs(rng, B, N, run):
+    """rows made of runs of `run` equal values: warps whose 32 lanes all hold one key and warps that
+    straddle two runs (the kernels' histogram adds take one atomic per warp for the former)"""
+    vals = rng.standard_normal((B, -(-N // run))).astype(np.float32)
+    vals[:, ::7] = -np.inf
+    vals[:, 3::11] = np.nan
+    return np.repeat(vals, run, axis=1)[:, :N].copy()
+
+
+@pytest.mark.parametrize("B,N", ((1, 4096), (64, 4096), (1, 32768), (1, 131072), (64, 131072)))
+def test_runs_of_equal_keys(B, N):
+    # constant, all -inf, masked and NaN rows and runs of equal values, in every geometry: register-held
+    # clusters (B=1), the streamed kernel (B=64 at 128K) and the radix path (4096), with and without
+    # the previous Top-K, against the C path (ties to the lower index, NaN last)
+    rng = np.random.default_rng(N + B)
+    masked = np.full((B, N), -np.inf, np.float32)
+    for b in range(B):
+        masked[b, rng.permutation(N)[:1024]] = rng.standard_normal(1024)
+    cases = {
+        "constant": np.full((B, N), 0.25, np.float32),
+        "all -inf": np.full((B, N), -np.inf, np.float32),
+        "masked": masked,
+        "nan": np.where(np.isinf(masked), np.float32(np.nan), masked),
+        "runs of 32": equal_runs(rng, B, N, 32),
+        "runs of 48": equal_runs(rng, B, N, 48),
+    }
+    methods = METHODS if N <= 4096 else ("auto", "gvr")
+    for name, x in cases.items():
+        xg = gpu(x)
+        for k in (1, 64, 2048):
+            want = cpu_result(x, k)
+            for prev in (None, gpu(want)):
+                for m in methods:
+                    got = gvr.topk_decode(xg, k, prev_topk=prev, method=m)
+                    assert_same_sets(got.cpu().numpy(), want, f"{name} B={B} N={N} k={k} {m} prev={prev is not None}")
