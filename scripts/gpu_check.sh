@@ -23,12 +23,15 @@
 #              kept off that many SMs: issue 14's matmul-slowdown bar)
 #   spardapartscarve  bench_sparda --only pipeparts --sm-carveout 0,2 (each light pipeline again on cuBLASLt
 #              without and with its GEMVs kept off 2 SMs, fp8 KV: issue 14's hidden share)
+#   spardapipecarve  bench_sparda --only pipefp8 --sm-carveout $CARVE (default 4): both layer pipelines with the
+#              matmuls kept off SMs (gvr.sparda.matmul_carveout)
 #   spardafp8  bench_sparda --only fp8 (prefetch from an fp8 host cache vs a bfloat16 one)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   spardapipefp8  bench_sparda --only pipefp8 (the pipelines over fp8 host caches beside bfloat16 ones)
 #   spardaparts  bench_sparda --only pipeparts (the light layer's pipeline with each half of the transfer alone)
 #   spardaselect  bench_sparda --only select (forecast_select alone and beside a GEMV: gvr, counts first, torch)
 #   topkedges  bench_topk_edges on CUDA: constant, masked, NaN, few-valued and tied rows, small k (gvr vs torch.topk)
+#   topkedgesab  bench_topk_edges for the installed library and each carried build/ab_NAME.so.xz, interleaved
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
@@ -287,11 +290,20 @@ spardaparts() {  # bench_sparda --only pipeparts: the light layer's pipeline wit
     --json "$OUT/results_sparda_pipeparts.json" --timeline "$OUT/timeline") 2>&1 | tee "$OUT/bench_sparda_pipeparts.log" | tail -12
 }
 
-spardapartscarve() {  # pipeparts, each pipeline also with cuBLASLt (carveout 0: the backend alone) and its GEMVs off 2 SMs
-  say "bench_sparda --only pipeparts --sm-carveout 0,2"
+spardapartscarve() {  # pipeparts, each pipeline also with cuBLASLt (carveout 0: the backend alone) and its GEMVs kept
+  # off $CARVE SMs (default 0,2), KV $CARVE_KV (default fp8)
+  say "bench_sparda --only pipeparts --sm-carveout ${CARVE:-0,2} --kv ${CARVE_KV:-fp8}"
   (cd /tmp && timeout -k 5 590 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipeparts \
-    --sm-carveout 0,2 --kv fp8 --json "$OUT/results_sparda_pipeparts_carveout.json") 2>&1 \
-    | tee "$OUT/bench_sparda_pipeparts_carveout.log" | grep -E "^--|pipeline|only" | tail -16
+    --sm-carveout ${CARVE:-0,2} --kv ${CARVE_KV:-fp8} --json "$OUT/results_sparda_pipeparts_carveout.json") 2>&1 \
+    | tee "$OUT/bench_sparda_pipeparts_carveout.log" | grep -E "^--|pipeline|only" | tail -24
+}
+
+spardapipecarve() {  # pipefp8 (the 8B-like and light pipelines, side-stream priorities 0 / -1) without and with the
+  # matmuls kept off $CARVE SMs (default 4), KV $CARVE_KV (default bfloat16)
+  say "bench_sparda --only pipefp8 --sm-carveout ${CARVE:-4} --kv ${CARVE_KV:-bfloat16}"
+  (cd /tmp && timeout -k 5 590 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipefp8 \
+    --sm-carveout ${CARVE:-4} --kv ${CARVE_KV:-bfloat16} --json "$OUT/results_sparda_pipe_carveout.json") 2>&1 \
+    | tee "$OUT/bench_sparda_pipe_carveout.log" | grep -E "^--|pipeline|only" | tail -24
 }
 
 spardaselect() {  # bench_sparda --only select: forecast_select alone and beside a GEMV (gvr, counts first, torch)
@@ -321,6 +333,40 @@ topkedges() {  # topk_decode on constant / masked / NaN / few-valued / tied rows
   say "bench_topk_edges (cuda)"
   (cd /tmp && timeout -k 5 300 $PY "$ROOT/benchmarks/bench_topk_edges.py" --device cuda --n 32768 131072 \
     --k 1 8 64 2048 --batch 1 64 --json "$OUT/results_topk_edges_cuda.json") 2>&1 | tee "$OUT/topk_edges.log" | tail -70
+}
+
+topkedgesab() {  # bench_topk_edges for the installed library and each carried build/ab_NAME.so.xz (same C ABI;
+  # restored after), interleaved, $AB_REPEAT times (default 2), N $AB_N (default 4096 32768 131072), k 1 64 2048,
+  # B 1 64 -> $OUT/edgesab.log, edgesab_compare.log (per cell: each build's median over the repeats)
+  say "bench_topk_edges A/B"
+  local installed g name i; installed=$(installed_lib)
+  cp "$installed" /tmp/lib_main.so
+  local q="$ROOT/benchmarks/bench_topk_edges.py --device cuda --n ${AB_N:-4096 32768 131072} --k 1 64 2048 --batch 1 64"
+  for i in $(seq 1 ${AB_REPEAT:-2}); do
+    (cd /tmp && timeout 200 $PY $q --label main --json "/tmp/edgesab_main_$i.json") >> "$OUT/edgesab.log" 2>&1
+    echo "main: exit $?"
+    for g in build/ab_*.so.xz; do
+      [ -e "$g" ] || continue
+      name=$(basename "$g"); name=${name%.so.*}; name=${name#ab_}
+      unpack "$g" "$installed" && (cd /tmp && timeout 200 $PY $q --label "$name" --json "/tmp/edgesab_${name}_$i.json") >> "$OUT/edgesab.log" 2>&1
+      echo "$name: exit $?"; cp /tmp/lib_main.so "$installed"
+    done
+  done
+  $PY - <<'PYEOF' 2>&1 | tee "$OUT/edgesab_compare.log"
+import collections, glob, json, statistics
+t = collections.defaultdict(lambda: collections.defaultdict(list))
+labels = []
+for path in sorted(glob.glob("/tmp/edgesab_*.json")):
+    r = json.load(open(path))
+    labels += [r["label"]] if r["label"] not in labels else []
+    for c in r["cells"]:
+        t[(c["kind"], c["N"], c["k"], c["B"])][r["label"]].append(c["gvr_us"])
+        t[(c["kind"], c["N"], c["k"], c["B"])]["torch"].append(c["torch.topk_us"])
+labels = ["main"] + [x for x in labels if x != "main"] + ["torch"]
+print(f"{'kind':20s} {'N':>7s} {'k':>5s} {'B':>3s} " + " ".join(f"{x:>9s}" for x in labels) + "  (us, medians)")
+for key, d in t.items():
+    print(f"{key[0]:20s} {key[1]:7d} {key[2]:5d} {key[3]:3d} " + " ".join(f"{statistics.median(d[x]):9.1f}" if d[x] else f"{'-':>9s}" for x in labels))
+PYEOF
 }
 
 profile() {  # per-phase clock stamps from debug libraries carried as build/prof_NAME.so.gz (or build/libprof.so.gz)
@@ -483,7 +529,9 @@ for mode in "${@:-check}"; do
     spardashapes) spardashapes ;;
     spardacarveout) spardacarveout ;;
     topkedges) topkedges ;;
+    topkedgesab) topkedgesab ;;
     spardapartscarve) spardapartscarve ;;
+    spardapipecarve) spardapipecarve ;;
     topkragged) topkragged ;;
     gputests) gputests ;;
     prrfused) prrfused ;;
