@@ -273,22 +273,16 @@ SHAPES = ((16, 8, 16), (32, 2, 4), (64, 1, 4), ("tma", 1), ("tma", 2), ("tma", 4
 
 @contextlib.contextmanager
 def _carveout(torch, c):
-    """cuBLAS kept off c SMs for torch's matmuls inside the block (torch._C._set_sm_carveout_experimental:
-    cuBLASLt's SM_COUNT_TARGET = SMs - c, read per call, with the cuBLASLt backend that honours it), then
-    no carveout and the previous backend. Yields False (and changes nothing) where this torch has none."""
-    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    if setter is None:
+    """torch's matmuls kept off c SMs inside the block (gvr.sparda.matmul_carveout: cuBLASLt sized for the SMs
+    left), then as before. Yields False (and changes nothing) where this torch has no carveout."""
+    import gvr
+
+    if getattr(torch._C, "_set_sm_carveout_experimental", None) is None:
         print("carveout: this torch has no torch._C._set_sm_carveout_experimental; skipped", flush=True)
         yield False
         return
-    blas = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    setter(int(c))
-    try:
+    with gvr.sparda.matmul_carveout(c):
         yield True
-    finally:
-        setter(None)
-        torch.backends.cuda.preferred_blas_library(blas)
 
 
 def _carved(torch, c, fn):
@@ -386,21 +380,21 @@ def shapes(gvr, torch, timer, shape_list=SHAPES, idle_prefetcher=True, carveouts
               f"32 blocks {row['us_32']:.1f} us ({row['gbps_32']:.1f} GB/s), 512 blocks {row['us_512']:.0f} us "
               f"({row['gbps_512']:.1f} GB/s); matmul {alone:.0f} us alone, +{100 * row['matmul_slowdown']:.1f}% "
               f"under the gathers{'' if ok else ' MISMATCH'}", flush=True)
-    for c in carveouts:
-        with _carveout(torch, c) as have:
+    for sms in carveouts:
+        with _carveout(torch, sms) as have:
             if not have:
                 break
             torch.cuda.synchronize()
             alone_c = mm_time()
-            print(f"carveout {c} SMs (cuBLASLt): matmul alone {alone_c:.0f} us ({100 * (alone_c / alone - 1):+.1f}% "
+            print(f"carveout {sms} SMs (cuBLASLt): matmul alone {alone_c:.0f} us ({100 * (alone_c / alone - 1):+.1f}% "
                   f"against the default's {alone:.0f})", flush=True)
             for shape in shape_list:
                 kw, what = _shape_kw(shape)
                 with_g = mm_under_gathers(kw)
-                out.append({"carveout": c, "method": kw["method"], "ctas": kw["max_ctas"], "shape": list(shape),
+                out.append({"carveout": sms, "method": kw["method"], "ctas": kw["max_ctas"], "shape": list(shape),
                             "matmul_alone_us": alone_c, "matmul_us": with_g, "matmul_slowdown": with_g / alone - 1.0,
                             "matmul_slowdown_vs_carved": with_g / alone_c - 1.0})
-                print(f"carveout {c}: {what}: matmul {100 * (with_g / alone - 1):+.1f}% (against the carved matmul "
+                print(f"carveout {sms}: {what}: matmul {100 * (with_g / alone - 1):+.1f}% (against the carved matmul "
                       f"alone {100 * (with_g / alone_c - 1):+.1f}%)", flush=True)
     for ctas, warps, loads in ((16, 8, 16), (4, 1, 4)) if idle_prefetcher else ():
         torch.cuda.synchronize()

@@ -1150,3 +1150,67 @@ def test_compile_aot_eager_matches_eager():
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     ref, _ = gvr.sparse_attention(q, hk, hv, ix, lengths=lengths, block_table=bt, block_size=16)
     assert torch.equal(want[1], ref)
+
+
+# ---- matmul_carveout ----------------------------------------------------------------------------------
+
+def _carveout_state():
+    return torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
+
+
+@pytest.mark.skipif(torch is None or not hasattr(torch._C, "_set_sm_carveout_experimental"),
+                    reason="torch with an SM carveout for matmuls")
+def test_matmul_carveout_sets_and_restores():
+    import warnings
+
+    warnings.filterwarnings("ignore")  # torch warns that both knobs are experimental
+    before = _carveout_state()
+    with gvr.sparda.matmul_carveout(3) as n:
+        assert n == 3
+        assert _carveout_state() == (3, torch._C._BlasBackend.Cublaslt)
+        with gvr.sparda.matmul_carveout(np.int64(1)):  # nested: the inner one's exit restores the outer's
+            assert _carveout_state()[0] == 1
+        assert _carveout_state() == (3, torch._C._BlasBackend.Cublaslt)
+    assert _carveout_state() == before
+    with pytest.raises(KeyError):  # restored on an exception too
+        with gvr.sparda.matmul_carveout(0):
+            assert _carveout_state()[0] == 0
+            raise KeyError("x")
+    assert _carveout_state() == before
+
+
+@pytest.mark.skipif(torch is None, reason="torch")
+@pytest.mark.parametrize("bad,exc,msg", [(True, TypeError, "'sms' must be an int, got bool"),
+                                         (2.0, TypeError, "'sms' must be an int, got float"),
+                                         ("4", TypeError, "'sms' must be an int, got str"),
+                                         (-1, ValueError, "'sms' must be >= 0, got -1")])
+def test_matmul_carveout_bad_sms(bad, exc, msg):
+    before = _carveout_state() if hasattr(torch._C, "_get_sm_carveout_experimental") else None
+    with pytest.raises(exc, match=msg):
+        with gvr.sparda.matmul_carveout(bad):
+            pass
+    if before is not None:
+        assert _carveout_state() == before
+
+
+@pytest.mark.gpu
+def test_cuda_matmul_carveout_bounds_and_results(gpu):
+    # sms must leave the GPU an SM; a carved matmul computes the same product (cuBLASLt, fp32 inputs
+    # exactly representable: integers, sums below 2^24)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    t = gpu
+    if not hasattr(t._C, "_set_sm_carveout_experimental"):
+        pytest.skip("this torch has no SM carveout for matmuls")
+    total = t.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(ValueError, match=f"below this GPU's {total} SMs, got {total}"):
+        with gvr.sparda.matmul_carveout(total):
+            pass
+    g = t.Generator().manual_seed(1)
+    a = t.randint(-8, 8, (512, 256), generator=g).float().cuda()
+    b = t.randint(-8, 8, (256, 384), generator=g).float().cuda()
+    want = (a.double().cpu() @ b.double().cpu()).float()
+    with gvr.sparda.matmul_carveout(4):
+        got = a @ b
+    assert t.equal(got.cpu(), want)
