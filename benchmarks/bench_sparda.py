@@ -277,12 +277,17 @@ def _carveout(torch, c):
     left), then as before. Yields False (and changes nothing) where this torch has no carveout."""
     import gvr
 
-    if getattr(torch._C, "_set_sm_carveout_experimental", None) is None:
-        print("carveout: this torch has no torch._C._set_sm_carveout_experimental; skipped", flush=True)
+    try:
+        cm = gvr.sparda.matmul_carveout(c)
+        cm.__enter__()
+    except RuntimeError as e:  # this torch has no carveout
+        print(f"carveout: {e}; skipped", flush=True)
         yield False
         return
-    with gvr.sparda.matmul_carveout(c):
+    try:
         yield True
+    finally:
+        cm.__exit__(None, None, None)
 
 
 def _carved(torch, c, fn):

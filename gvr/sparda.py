@@ -397,7 +397,7 @@ def matmul_carveout(sms):
     (``torch._C._set_sm_carveout_experimental``, which torch marks experimental); the block selects
     that backend and restores the previous backend and carveout on exit. Measured (H100, bf16 matmul
     8192 x 8192 x 8192 beside gathers of 512 64-token blocks, ``benchmarks/RESULTS.md``): ``"tma"`` with 2 CTAs slows
-    it by 7-9% without a carveout and 2.7% with 4 SMs kept free; 1 CTA by 0.7% with 1-2 SMs. Process-wide:
+    it by 6.6-9.0% without a carveout and 2.7-2.8% with 4 SMs kept free; 1 CTA by 0.3-0.7% with 1-2 SMs. Process-wide:
     every matmul of every thread in the block is carved. ``sms`` 0 keeps them all.
 
         with gvr.sparda.matmul_carveout(4):
@@ -424,9 +424,9 @@ def matmul_carveout(sms):
         if sms >= total:
             raise ValueError(f"'sms' must be below this GPU's {total} SMs, got {sms}")
     before, blas = getter(), t.backends.cuda.preferred_blas_library()
-    t.backends.cuda.preferred_blas_library("cublaslt")
-    setter(sms)
     try:
+        t.backends.cuda.preferred_blas_library("cublaslt")
+        setter(sms)
         yield sms
     finally:
         setter(before)

@@ -21,7 +21,7 @@
 #   spardashapes  bench_sparda --only shapes (gather CTA shapes: GB/s, matmul slowdown, idle Prefetcher)
 #   spardacarveout  bench_sparda --only shapes --sm-carveout 0,1,2,4,8 (the matmul under the gathers with cuBLAS
 #              kept off that many SMs: issue 14's matmul-slowdown bar)
-#   spardapartscarve  bench_sparda --only pipeparts --sm-carveout 0,2 (each light pipeline again on cuBLASLt
+#   spardapartscarve  bench_sparda --only pipeparts --sm-carveout $CARVE (default 0,2; KV $CARVE_KV, default fp8) (each light pipeline again on cuBLASLt
 #              without and with its GEMVs kept off 2 SMs, fp8 KV: issue 14's hidden share)
 #   spardapipecarve  bench_sparda --only pipefp8 --sm-carveout $CARVE (default 4): both layer pipelines with the
 #              matmuls kept off SMs (gvr.sparda.matmul_carveout)
@@ -339,6 +339,7 @@ topkedgesab() {  # bench_topk_edges for the installed library and each carried b
   # restored after), interleaved, $AB_REPEAT times (default 2), N $AB_N (default 4096 32768 131072), k 1 64 2048,
   # B 1 64 -> $OUT/edgesab.log, edgesab_compare.log (per cell: each build's median over the repeats)
   say "bench_topk_edges A/B"
+  rm -f /tmp/edgesab_*.json  # (a warm machine keeps an earlier run's)
   local installed g name i; installed=$(installed_lib)
   cp "$installed" /tmp/lib_main.so
   local q="$ROOT/benchmarks/bench_topk_edges.py --device cuda --n ${AB_N:-4096 32768 131072} --k 1 64 2048 --batch 1 64"

@@ -1160,10 +1160,8 @@ def _carveout_state():
 
 @pytest.mark.skipif(torch is None or not hasattr(torch._C, "_set_sm_carveout_experimental"),
                     reason="torch with an SM carveout for matmuls")
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch warns that both knobs are experimental
 def test_matmul_carveout_sets_and_restores():
-    import warnings
-
-    warnings.filterwarnings("ignore")  # torch warns that both knobs are experimental
     before = _carveout_state()
     with gvr.sparda.matmul_carveout(3) as n:
         assert n == 3
@@ -1194,12 +1192,10 @@ def test_matmul_carveout_bad_sms(bad, exc, msg):
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_cuda_matmul_carveout_bounds_and_results(gpu):
     # sms must leave the GPU an SM; a carved matmul computes the same product (cuBLASLt, fp32 inputs
     # exactly representable: integers, sums below 2^24)
-    import warnings
-
-    warnings.filterwarnings("ignore")
     t = gpu
     if not hasattr(t._C, "_set_sm_carveout_experimental"):
         pytest.skip("this torch has no SM carveout for matmuls")

@@ -377,6 +377,15 @@ def test_runs_of_equal_keys(B, N):
         "runs of 32": equal_runs(rng, B, N, 32),
         "runs of 48": equal_runs(rng, B, N, 48),
     }
+    # the k-th a NaN behind 1024 numbers and 512 -inf; numbers everywhere but where the strided sample
+    # looks (it sees only -inf and expects fewer than k numbers)
+    mixed = np.where(np.isinf(masked), np.float32(np.nan), masked)
+    for b in range(B):
+        mixed[b, rng.permutation(np.flatnonzero(np.isnan(mixed[b])))[:512]] = -np.inf
+    hidden = rng.standard_normal((B, N)).astype(np.float32)
+    hidden[:, (np.arange(256) * N) // 256] = -np.inf
+    cases["nan, -inf and numbers"] = mixed
+    cases["numbers hidden from the sample"] = hidden
     methods = METHODS if N <= 4096 else ("auto", "gvr")
     for name, x in cases.items():
         xg = gpu(x)
@@ -386,3 +395,25 @@ def test_runs_of_equal_keys(B, N):
                 for m in methods:
                     got = gvr.topk_decode(xg, k, prev_topk=prev, method=m)
                     assert_same_sets(got.cpu().numpy(), want, f"{name} B={B} N={N} k={k} {m} prev={prev is not None}")
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
+def test_masked_rows_ragged_and_half(dtype):
+    # rows that are -inf (or NaN) but for a few numbers, ragged lengths, rows starting 12 bytes past an
+    # alignment boundary (a strided view), in the three score types, streamed (B=64 at 128K) and
+    # register-held (B=1); the reference is the C path on the same values in float32 (exact conversions)
+    N = 131072
+    for B in (1, 64):
+        rng = np.random.default_rng(B)
+        x = np.full((B, N + 3), -np.inf, np.float32)
+        for b in range(B):
+            x[b, rng.permutation(N + 3)[:700]] = np.round(rng.standard_normal(700), 1)
+        x[1::2, ::3] = np.where(np.isinf(x[1::2, ::3]), np.float32(np.nan), x[1::2, ::3])
+        full = torch.from_numpy(x).to(getattr(torch, dtype))
+        ref = np.ascontiguousarray(full.float().numpy()[:, 3:])
+        xg = full.cuda()[:, 3:]
+        lengths = data.ragged_lengths(B, N, seed=5).astype(np.int32)
+        for k in (64, 2048, 5000):
+            want = cpu_result(ref, k, lengths=lengths)
+            got = gvr.topk_decode(xg, k, lengths=gpu(lengths))
+            assert_same_sets(got.cpu().numpy(), want, f"{dtype} B={B} k={k}")

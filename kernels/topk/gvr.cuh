@@ -582,7 +582,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (!map.value && (A >> 32) == (Z >> 32)) {
             /* one key left (ties): its elements' composite keys lie in [key << 32 | 2^32 - L, key << 32 |
              * 2^32 - 1] (indices below L), so the shift map spans L, not 2^32: a tied run of a 128K row
-             * is resolved in one round instead of four */
+             * takes two rounds instead of three (one up to 64K) */
             const unsigned long long lo = (A & 0xFFFFFFFF00000000ull) | (0x100000000ull - (unsigned long long)L);
             A = lo > A ? lo : A;
             map = shift_map(A, Z);
