@@ -277,17 +277,14 @@ def _carveout(torch, c):
     left), then as before. Yields False (and changes nothing) where this torch has no carveout."""
     import gvr
 
-    try:
-        cm = gvr.sparda.matmul_carveout(c)
-        cm.__enter__()
-    except RuntimeError as e:  # this torch has no carveout
-        print(f"carveout: {e}; skipped", flush=True)
-        yield False
-        return
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(gvr.sparda.matmul_carveout(c))
+        except RuntimeError as e:  # this torch has no carveout
+            print(f"carveout: {e}; skipped", flush=True)
+            yield False
+            return
         yield True
-    finally:
-        cm.__exit__(None, None, None)
 
 
 def _carved(torch, c, fn):

@@ -26,13 +26,13 @@ __all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_com
            "Prefetcher", "matmul_carveout"]
 
 
-def _torch():
+def _torch(what="gvr.sparda.forecast_kl_loss"):
     t = torch_if_loaded()  # (not sys.modules: traced code, torch.compile of the loss, must not read it)
     if t is None:
         try:
             import torch as t
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise RuntimeError("gvr.sparda.forecast_kl_loss needs torch") from e
+            raise RuntimeError(f"{what} needs torch") from e
     return t
 
 
@@ -403,17 +403,8 @@ def matmul_carveout(sms):
         with gvr.sparda.matmul_carveout(4):
             graph.replay()   # layers' matmuls beside the next layer's prefetch
     """
-    if isinstance(sms, bool) or not isinstance(sms, numbers.Integral):
-        raise TypeError(f"'sms' must be an int, got {type(sms).__name__}")
-    sms = int(sms)
-    if sms < 0:
-        raise ValueError(f"'sms' must be >= 0, got {sms}")
-    t = torch_if_loaded()
-    if t is None:
-        try:
-            import torch as t
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise RuntimeError("gvr.sparda.matmul_carveout needs torch") from e
+    sms = _check_int("sms", sms, 0)
+    t = _torch("gvr.sparda.matmul_carveout")
     setter = getattr(t._C, "_set_sm_carveout_experimental", None)
     getter = getattr(t._C, "_get_sm_carveout_experimental", None)
     if setter is None or getter is None:

@@ -335,24 +335,32 @@ topkedges() {  # topk_decode on constant / masked / NaN / few-valued / tied rows
     --k 1 8 64 2048 --batch 1 64 --json "$OUT/results_topk_edges_cuda.json") 2>&1 | tee "$OUT/topk_edges.log" | tail -70
 }
 
+with_each_lib() {  # "$1 NAME I" for the installed library (NAME main), then for each carried build/ab_NAME.so.gz
+  # or .so.xz in its place (same C ABI; restored after), interleaved, for I in 1..$AB_REPEAT (default 2)
+  local installed g name i; installed=$(installed_lib)
+  cp "$installed" /tmp/lib_main.so
+  for i in $(seq 1 ${AB_REPEAT:-2}); do
+    "$1" main "$i"
+    echo "main: exit $?"
+    for g in build/ab_*.so.gz build/ab_*.so.xz; do
+      [ -e "$g" ] || continue
+      name=$(basename "$g"); name=${name%.so.*}; name=${name#ab_}
+      unpack "$g" "$installed" && "$1" "$name" "$i"
+      echo "ab_$name: exit $?"; cp /tmp/lib_main.so "$installed"
+    done
+  done
+}
+
 topkedgesab() {  # bench_topk_edges for the installed library and each carried build/ab_NAME.so.xz (same C ABI;
   # restored after), interleaved, $AB_REPEAT times (default 2), N $AB_N (default 4096 32768 131072), k 1 64 2048,
   # B 1 64 -> $OUT/edgesab.log, edgesab_compare.log (per cell: each build's median over the repeats)
   say "bench_topk_edges A/B"
   rm -f /tmp/edgesab_*.json  # (a warm machine keeps an earlier run's)
-  local installed g name i; installed=$(installed_lib)
-  cp "$installed" /tmp/lib_main.so
-  local q="$ROOT/benchmarks/bench_topk_edges.py --device cuda --n ${AB_N:-4096 32768 131072} --k 1 64 2048 --batch 1 64"
-  for i in $(seq 1 ${AB_REPEAT:-2}); do
-    (cd /tmp && timeout 200 $PY $q --label main --json "/tmp/edgesab_main_$i.json") >> "$OUT/edgesab.log" 2>&1
-    echo "main: exit $?"
-    for g in build/ab_*.so.xz; do
-      [ -e "$g" ] || continue
-      name=$(basename "$g"); name=${name%.so.*}; name=${name#ab_}
-      unpack "$g" "$installed" && (cd /tmp && timeout 200 $PY $q --label "$name" --json "/tmp/edgesab_${name}_$i.json") >> "$OUT/edgesab.log" 2>&1
-      echo "$name: exit $?"; cp /tmp/lib_main.so "$installed"
-    done
-  done
+  edges_run() {
+    (cd /tmp && timeout 200 $PY "$ROOT/benchmarks/bench_topk_edges.py" --device cuda --n ${AB_N:-4096 32768 131072} \
+      --k 1 64 2048 --batch 1 64 --label "$1" --json "/tmp/edgesab_$1_$2.json") >> "$OUT/edgesab.log" 2>&1
+  }
+  with_each_lib edges_run
   $PY - <<'PYEOF' 2>&1 | tee "$OUT/edgesab_compare.log"
 import collections, glob, json, statistics
 t = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -396,18 +404,11 @@ attnab() {  # A/B of attention kernels on one machine, interleaved: scripts/attn
   # and for each carried build/ab_NAME.so.xz (same C ABI; restored after), $AB_REPEAT times (default 2);
   # AB_SCRIPT=select_ab.py: the selection kernels' cells instead (forecast_select, Quest select_blocks)
   say "attention A/B"
-  local installed g name i; installed=$(installed_lib)
-  cp "$installed" /tmp/lib_main.so
-  for i in $(seq 1 ${AB_REPEAT:-2}); do
-    (cd /tmp && timeout 200 $PY "$ROOT/scripts/${AB_SCRIPT:-attn_ab.py}" ${AB_ONLY:+--only $AB_ONLY} --json "$OUT/attnab_main_$i.json") >> "$OUT/attnab.log" 2>&1
-    echo "main: exit $?"
-    for g in build/ab_*.so.xz; do
-      [ -e "$g" ] || continue
-      name=$(basename "$g"); name=${name%.so.*}
-      unpack "$g" "$installed" && (cd /tmp && timeout 200 $PY "$ROOT/scripts/${AB_SCRIPT:-attn_ab.py}" ${AB_ONLY:+--only $AB_ONLY} --json "$OUT/attnab_${name#ab_}_$i.json") >> "$OUT/attnab.log" 2>&1
-      echo "$name: exit $?"; cp /tmp/lib_main.so "$installed"
-    done
-  done
+  attn_run() {
+    (cd /tmp && timeout 200 $PY "$ROOT/scripts/${AB_SCRIPT:-attn_ab.py}" ${AB_ONLY:+--only $AB_ONLY} \
+      --json "$OUT/attnab_$1_$2.json") >> "$OUT/attnab.log" 2>&1
+  }
+  with_each_lib attn_run
   $PY - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/attnab_compare.log"
 import glob, json, os, sys
 runs = sorted(glob.glob(os.path.join(sys.argv[1], "attnab_*.json")), key=os.path.getmtime)
@@ -432,23 +433,20 @@ topkab() {  # A/B of topk variants on one machine, interleaved: the quick table 
   # each library carried as build/ab_NAME.so.gz or .so.xz in place of the installed one (same C ABI; restored after),
   # the whole list $AB_REPEAT times (default 2) -> $OUT/ab_*.json, ab.log, ab_compare.log
   say "topk A/B"
-  local installed; installed=$(installed_lib)
-  cp "$installed" /tmp/lib_main.so
   local q="$ROOT/scripts/quick_gpu_bench.py --n ${AB_N:-65536 131072 262144} --batch ${AB_B:-64} --overlap 0.45"
-  local i v name envs
-  for i in $(seq 1 ${AB_REPEAT:-2}); do
+  quick_run() {  # the installed library: once per variant of $AB_VARIANTS; a carried one: as it is
+    local v vname envs
+    if [ "$1" != main ]; then
+      (cd /tmp && timeout 120 $PY $q --json "$OUT/ab_$1_$2.json") >> "$OUT/ab.log" 2>&1
+      return
+    fi
     for v in ${AB_VARIANTS:-pf4:GVR_TOPK_PF=4 pf0:GVR_TOPK_PF=0}; do
-      name=${v%%:*}; envs=${v#*:}
-      (cd /tmp && env ${envs//,/ } timeout 120 $PY $q --json "$OUT/ab_${name}_$i.json") >> "$OUT/ab.log" 2>&1
-      echo "$name ($envs): exit $?"
+      vname=${v%%:*}; envs=${v#*:}
+      (cd /tmp && env ${envs//,/ } timeout 120 $PY $q --json "$OUT/ab_${vname}_$2.json") >> "$OUT/ab.log" 2>&1
+      echo "$vname ($envs): exit $?"
     done
-    for g in build/ab_*.so.gz build/ab_*.so.xz; do
-      [ -e "$g" ] || continue
-      name=$(basename "$g"); name=${name%.so.*}
-      unpack "$g" "$installed" && (cd /tmp && timeout 120 $PY $q --json "$OUT/${name}_$i.json") >> "$OUT/ab.log" 2>&1
-      echo "$name: exit $?"; cp /tmp/lib_main.so "$installed"
-    done
-  done
+  }
+  with_each_lib quick_run
   # one line per run: the gvr column (µs) per (N, B), in the order the runs ran
   $PY - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/ab_compare.log"
 import glob, json, os, sys
