@@ -89,6 +89,15 @@ if only in (None, "topk"):
             exp = gvr.topk_decode(xh.float(), 300, row_starts=st[:3].clone(), lengths=ln[:3].clone(), sorted=True,
                                   method=method)
             assert torch.equal(got, exp), (dt, method)
+    # the streamed kernel's staged first pass (asynchronous copies into shared memory) on half and float
+    # rows at every phase of a 16-byte boundary (an odd stride), ragged lengths: 64 rows of 70001
+    for dt in (torch.float16, torch.float32):
+        flat = torch.from_numpy(rng.standard_normal(64 * 70003 + 8).astype(np.float32)).to(dt).cuda()
+        view = flat.as_strided((64, 70001), (70003, 1), 1)
+        ln = np.resize(np.array([70001, 70000, 8193, 8191, 300, 4], np.int32), 64)
+        got = gvr.topk_decode(view, 64, lengths=torch.from_numpy(ln).cuda(), method="gvr").cpu().numpy()
+        exp = gvr.topk_decode(view.float().cpu().numpy(), 64, lengths=ln)
+        assert (np.sort(got, 1) == np.sort(exp, 1)).all(), dt
     torch.cuda.synchronize()
     print("sanitize case: top-k ok")
 

@@ -11,6 +11,7 @@
 #   GVR_CUDA_ARCHS=90a python setup.py build_ext --inplace, in a copy if the in-place library must not
 #   shadow the CPU-only one); PATCH.py runs in the copy's root (edit kernels/ there).
 # --only: kernels/ paths (glob) to recompile; default topk/gvr_*.cu (all of topk/*.cu with --profile).
+# NVCC_EXTRA: more nvcc flags (e.g. -DGVR_PROF_CTA=1: the profile stamps of rank 1 of row 0's cluster).
 # Objects of other folders must not depend on what the patch changes (headers are not tracked here).
 set -euo pipefail
 name=$1; shift
@@ -34,6 +35,7 @@ NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 GENCODE="-gencode=arch=compute_90a,code=sm_90a"
 FLAGS="-O3 -std=c++17 -Xcompiler -fPIC,-Wall -Xcompiler -fvisibility=hidden -lineinfo -w -I kernels $GENCODE"
 [ $profile = 1 ] && FLAGS="$FLAGS -DGVR_PROFILE"
+FLAGS="$FLAGS ${NVCC_EXTRA:-}"
 cd "$work"; mkdir obj
 srcs=$(cd kernels && ls $only)
 keep=""

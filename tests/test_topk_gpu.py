@@ -417,3 +417,34 @@ def test_masked_rows_ragged_and_half(dtype):
             want = cpu_result(ref, k, lengths=lengths)
             got = gvr.topk_decode(xg, k, lengths=gpu(lengths))
             assert_same_sets(got.cpu().numpy(), want, f"{dtype} B={B} k={k}")
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
+def test_streamed_rows_at_every_16_byte_phase(dtype):
+    # The streamed kernel's first pass reads the row's 16-byte-aligned part through bulk copies into
+    # a shared-memory ring (stages of 4096 positions) and the ends (< 16 bytes) directly: rows that
+    # start at every phase of a 16-byte boundary (an odd stride), lengths that end anywhere in a
+    # stage (just past and before stage and vector boundaries, short rows without a search, empty
+    # rows), the largest scores at both ends of each row, ties; the reference is the C path on the
+    # same values in float32 (exact conversions)
+    B, N = 64, 131072 + 37
+    W = N + 7
+    rng = np.random.default_rng(17)
+    flat = rng.standard_normal(B * W + 8).astype(np.float32)
+    flat[::7] = np.round(flat[::7], 1)
+    lengths = data.ragged_lengths(B, N, seed=8).astype(np.int32)
+    lengths[:18] = (N, N - 1, 4096 * 16, 4096 * 16 + 1, 4096 * 16 - 1, 4096 * 17 + 5, 4096 * 3 + 2, 4096 * 3 - 3,
+                    65536, 65537, 65535, 65539, 300, 256, 3000, 1, 0, 4100)
+    for b in range(B):
+        s, n = b * W, int(lengths[b])
+        flat[s : s + min(3, n)] = 50.0 + np.arange(min(3, n))
+        if n > 5:
+            flat[s + n - 2 : s + n] = 60.0
+    full = torch.from_numpy(flat).to(getattr(torch, dtype))
+    view = full.cuda().as_strided((B, N), (W, 1), 0)
+    ref = np.lib.stride_tricks.as_strided(full.float().numpy(), (B, N), (4 * W, 4)).copy()
+    for k in (64, 2048):
+        want = cpu_result(ref, k, lengths=lengths)
+        for m in ("auto", "gvr"):
+            got = gvr.topk_decode(view, k, lengths=gpu(lengths), method=m)
+            assert_same_sets(got.cpu().numpy(), want, f"{dtype} k={k} {m}")

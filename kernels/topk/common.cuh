@@ -140,11 +140,13 @@ __device__ __forceinline__ void pad_tail(const RowOut &o, int kk, int k)
 /* The score types, read as their exact float32 values: ld (one element) and ld4 (4 aligned elements,
  * raw float32 bits out: one 16-byte load of float32, one 8-byte load of a half type). */
 template <typename T> struct Elem;
+/* ld4: four elements from global memory (read-only path); lds4: from shared memory (a staged row) */
 template <> struct Elem<float> {
     __device__ static __forceinline__ float ld(const float *p) { return __ldg(p); }
-    __device__ static __forceinline__ void ld4(const float *p, uint32_t *o)
+    __device__ static __forceinline__ void ld4(const float *p, uint32_t *o) { bits4(__ldg(reinterpret_cast<const float4 *>(p)), o); }
+    __device__ static __forceinline__ void lds4(const float *p, uint32_t *o) { bits4(*reinterpret_cast<const float4 *>(p), o); }
+    __device__ static __forceinline__ void bits4(float4 v, uint32_t *o)
     {
-        const float4 v = __ldg(reinterpret_cast<const float4 *>(p));
         o[0] = __float_as_uint(v.x);
         o[1] = __float_as_uint(v.y);
         o[2] = __float_as_uint(v.z);
@@ -153,9 +155,10 @@ template <> struct Elem<float> {
 };
 template <> struct Elem<__half> {
     __device__ static __forceinline__ float ld(const __half *p) { return __half2float(__ldg(p)); }
-    __device__ static __forceinline__ void ld4(const __half *p, uint32_t *o)
+    __device__ static __forceinline__ void ld4(const __half *p, uint32_t *o) { bits4(__ldg(reinterpret_cast<const uint2 *>(p)), o); }
+    __device__ static __forceinline__ void lds4(const __half *p, uint32_t *o) { bits4(*reinterpret_cast<const uint2 *>(p), o); }
+    __device__ static __forceinline__ void bits4(uint2 v, uint32_t *o)
     {
-        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
         o[0] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(v.x & 0xFFFFu))));
         o[1] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(v.x >> 16))));
         o[2] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(v.y & 0xFFFFu))));
@@ -169,7 +172,11 @@ template <> struct Elem<__nv_bfloat16> { /* bfloat16 bits are float32's upper ha
     }
     __device__ static __forceinline__ void ld4(const __nv_bfloat16 *p, uint32_t *o)
     {
-        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
+        bits4(__ldg(reinterpret_cast<const uint2 *>(p)), o);
+    }
+    __device__ static __forceinline__ void lds4(const __nv_bfloat16 *p, uint32_t *o) { bits4(*reinterpret_cast<const uint2 *>(p), o); }
+    __device__ static __forceinline__ void bits4(uint2 v, uint32_t *o)
+    {
         o[0] = v.x << 16;
         o[1] = v.x & 0xFFFF0000u;
         o[2] = v.y << 16;
@@ -203,6 +210,7 @@ template <typename T> __device__ __forceinline__ int row_shift(const T *row)
 template <int VEC>
 struct RowTile {
     static constexpr int P = THREADS * 4 * VEC;
+    static constexpr int NE = 4 * VEC;        /* elements per thread */
     static constexpr bool ARITH_INDEX = true; /* index(j, l) is arithmetic in j, l */
     uint32_t key[VEC * 4];
     int base; /* element held by this CTA's first position (negative by the row's shift in slice 0) */
@@ -226,6 +234,28 @@ struct RowTile {
             const int i = index(j, 0); /* row + i is vector aligned */
             if (i >= 0 && i + 3 < len) {
                 Elem<T>::ld4(row + i, &key[4 * j]);
+            } else {
+#pragma unroll
+                for (int l = 0; l < 4; l++)
+                    key[4 * j + l] =
+                        ((unsigned)(i + l) < (unsigned)len) ? __float_as_uint(Elem<T>::ld(row + i + l)) : RAW_PAST_END;
+            }
+        }
+    }
+
+    /* The same from this thread's staged copies of these P positions (`stage`: position `first`'s
+     * element in shared memory), which hold the vectors wholly inside the row; the others are read
+     * from the row (its ends) or are outside it (a NaN). */
+    template <typename T>
+    __device__ __forceinline__ void load_staged(const T *row, int len, int first, const T *stage)
+    {
+        L = len;
+        base = first - row_shift(row);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            const int o = (j * THREADS + (int)threadIdx.x) * 4, i = base + o;
+            if (i >= 0 && i + 3 < len) {
+                Elem<T>::lds4(stage + o, &key[4 * j]);
             } else {
 #pragma unroll
                 for (int l = 0; l < 4; l++)

@@ -26,7 +26,9 @@
  *    previous Top-K sits in the upper tail); otherwise the sample's estimate is the center. The
  *    first round spreads 254 bins evenly in value over center +- spread, one bin below, one above
  *    (the bin above the band is counted in registers: it can hold many elements).
- *  - Streamed rows: chunks read with the next chunk's loads in flight; 32-bit counts; no prediction
+ *  - Streamed rows: the verify pass reads the chunks from a shared-memory ring that asynchronous
+ *    copies fill up to STAGE_SLOTS chunks ahead (the first during the guess), later passes with the
+ *    next chunk's loads in flight; 32-bit counts; no prediction
  *    (measured: no threshold from it beat the sample's, and where the previous Top-K mostly persists
  *    its statistics put the threshold above the k-th value). The first pass (verify) only compares
  *    each element with tc, the sample's estimate of the 1.15 k-th value, and
@@ -51,6 +53,7 @@
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
+#include <cuda_pipeline_primitives.h>
 
 #include <type_traits>
 
@@ -154,11 +157,28 @@ struct BinCounts {
     }
 };
 
+/* largest cluster of an instance: streamed rows take at most GVR_STREAM_MAX_C CTAs (topk.cu), which
+ * leaves their exchange buffers half the size and the shared memory to the staging ring */
+template <bool STREAM>
+constexpr int GVR_RANKS = STREAM ? GVR_STREAM_MAX_C : MAX_C;
+
+/* Streamed rows, the verify pass: each thread copies its positions of the row's chunks into a ring
+ * of shared-memory slots with asynchronous copies (cp.async, up to STAGE_SLOTS chunks in flight, the
+ * first ones issued right behind the guess's sample loads) and reads them back itself, so that no
+ * register holds a chunk in flight and no barrier orders the ring: more of the row streams in while
+ * the guess is made than the one chunk of loads the registers held (the guess took ~6K cycles of a
+ * 48K-cycle call at B=64 128K), and the pass has more than one chunk in flight. H100, B=64: 128K
+ * 25.2 -> 24.4 us, 256K 35.0 -> 33.8 (benchmarks/RESULTS.md, session 21). Measured and not kept:
+ * half-chunk stages (8 slots: 27.7 us at 128K, the pass's per-chunk work doubled), bulk copies
+ * (cp.async.bulk, one per stage, an mbarrier per slot: 32.3 us, ~10-12 GB/s per SM), the copies
+ * issued before the sample's loads (29.5 us with half-chunk stages: the guess waited behind them). */
+constexpr int STAGE_SLOTS = 4;
+
 template <bool STREAM>
 struct GvrShared {
     static constexpr int W = BinCounts<STREAM>::W;
     uint32_t hist[W];                         /* this CTA's counts of the current round */
-    uint32_t recv[2][MAX_C][W];               /* every rank's counts, double-buffered by round parity */
+    uint32_t recv[2][GVR_RANKS<STREAM>][W];   /* every rank's counts, double-buffered by round parity */
     uint2 cand[CAND_CAP];                     /* rank 0: (key, index) of the candidates */
     int above[MAX_C];                         /* per rank: elements above Z */
     int inb[MAX_C];                           /* per rank: elements in [A, Z] */
@@ -237,7 +257,8 @@ template <typename T, bool CLUSTER, int VEC, bool STREAM>
 __global__ void __launch_bounds__(THREADS, 1)
     gvr_topk_gvr_kernel(const T *__restrict__ scores, long long row_stride, int N, RowGeom rg,
                         const int *__restrict__ prev, long long prev_stride, int pdiv, int Kp, int k,
-                        int *__restrict__ out, long long out_stride, OutMap om, int C, int nch, int seg_cap)
+                        int *__restrict__ out, long long out_stride, OutMap om, int C, int nch, int seg_cap,
+                        int nslots)
 {
     pdl_enter();
     PROF_SPAN(0);
@@ -263,7 +284,29 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int my_nch = L + shift > seg ? min(nch, (L + shift - seg + P - 1) / P) : 0;
     PROF_RESET();
     PROF(0);
+    const bool search = kk < L && L > CAND_CAP;
 
+    /* streamed: the collection buffer (seg_cap pairs per warp) and behind it the staging ring of
+     * nslots slots of P elements (a chunk), dynamic shared memory */
+    extern __shared__ __align__(16) uint2 xbuf[];
+    T *const ring = reinterpret_cast<T *>(xbuf + (size_t)seg_cap * WARPS);
+    /* staged: the verify pass reads the chunks from the ring */
+    const bool staged = STREAM && search && my_nch > 0;
+    /* this thread's vectors of chunk c (those wholly inside the row) into its slot, one commit group
+     * per chunk (empty past the last chunk, so that the group count stays the chunk count) */
+    auto stage_copy = [&](int c) {
+        if (c < my_nch) {
+            T *const slot = ring + (size_t)(c % nslots) * P;
+            const int base = seg + c * P - shift;
+#pragma unroll
+            for (int j = 0; j < VEC; j++) {
+                const int o = (j * THREADS + t) * 4, i = base + o;
+                if (i >= 0 && i + 3 < L)
+                    __pipeline_memcpy_async(slot + o, xr + i, 4 * sizeof(T));
+            }
+        }
+        __pipeline_commit();
+    };
     if constexpr (CLUSTER) {
         if (t == 0) {
 #pragma unroll
@@ -276,7 +319,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     /* loads: prediction indices, the row, the scores at the predicted indices */
-    const bool search = kk < L && L > CAND_CAP;
     int pidx[PRED_PER_THREAD];
     /* streamed rows leave the prediction out: their threshold comes from the sample (below), and
      * gathering the predicted scores only costs latency there */
@@ -314,10 +356,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             pval[i] = (pidx[i] >= 0 && pidx[i] < L) ? Elem<T>::ld(xr + pidx[i]) : __int_as_float(0x7FC00000);
         pivot = Elem<T>::ld(xr + ((p0 >= 0 && p0 < L) ? p0 : 0));
     }
-    /* streamed: the first chunk's loads, in flight during the guess */
-    if constexpr (STREAM)
-        if (my_nch > 0)
+    /* streamed rows: the first stages' copies (without a search: the first chunk's loads), behind
+     * the sample's loads */
+    if constexpr (STREAM) {
+        if (staged) {
+            for (int c = 0; c < nslots; c++)
+                stage_copy(c);
+        } else if (my_nch > 0) {
             tile.load_raw_at(xr, L, seg);
+        }
+    }
     if constexpr (!STREAM && !RAW_FIRST)
         tile.convert(); /* while the gathers are in flight */
     if (t < HW)
@@ -415,13 +463,12 @@ __global__ void __launch_bounds__(THREADS, 1)
      * current one is processed. */
     /* streamed: the pairs collected in the first pass (dynamic shared memory), their count in this
      * CTA, and whether every later pass reads them instead of the row (uniform over the cluster) */
-    extern __shared__ __align__(16) uint2 xbuf[];
     /* seg_cap: pairs per warp segment (streamed: the launch's collection capacity / WARPS) */
     uint2 *wseg = xbuf + warp * seg_cap;
     int wcount = 0; /* pairs this warp found (uniform in the warp; > seg_cap: overflowed) */
     bool from_buf = false;
     int buf_len = 0; /* streamed, from_buf: the most pairs any warp of this CTA holds */
-    bool chunk0_loaded = STREAM; /* streamed: `tile` holds chunk 0's loads until the first pass */
+    bool chunk0_loaded = STREAM && !search; /* streamed: `tile` holds chunk 0's loads until the first pass */
     /* register-held row: raw floats while every round and the output can work on values (value
      * maps, key-aligned bounds above NaN), stored keys from the first that cannot (to_keys) */
     bool tile_raw = !STREAM && RAW_FIRST;
@@ -493,6 +540,8 @@ __global__ void __launch_bounds__(THREADS, 1)
      * overflow flags. At least kk at or above tc: the search continues on [tc, max] -- from the
      * collected pairs when no warp overflowed (no further pass over the row), else from the row.
      * Fewer: they are all selected, and the search continues below tc from the row. */
+    if (staged && !verify) /* the staged copies are not read: complete before the kernel ends */
+        __pipeline_wait_prior(0);
     if (verify) { /* uniform over the cluster; verify implies STREAM (register-held rows keep the band
                    * rounds: measured, a verify pass there costs one more cluster exchange than it saves) */
         uint32_t kmax = 0u;
@@ -501,17 +550,18 @@ __global__ void __launch_bounds__(THREADS, 1)
          * its few pairs at consecutive slots (lane order, then element order: deterministic). About
          * 3 instructions per element: with a ballot and a branch per element the pass was issue
          * bound near the copy bandwidth (its speed moved with code generation, +-10%, measured). */
-        chunks(std::true_type{}, [&](const RowTile<VEC> &tl) {
+        auto collect = [&](const auto &tl) {
+            constexpr int NE = std::decay_t<decltype(tl)>::NE;
             unsigned cm = 0u;
 #pragma unroll
-            for (int q = 0; q < 4 * VEC; q++)
+            for (int q = 0; q < NE; q++)
                 cm |= (__uint_as_float(tl.key[q]) >= tc ? 1u : 0u) << q;
             const int n = __popc(cm);
             const int incl = warp_inclusive_sum(n);
             if (cm) {
                 int pos = wcount + incl - n;
 #pragma unroll
-                for (int q = 0; q < 4 * VEC; q++)
+                for (int q = 0; q < NE; q++)
                     if ((cm >> q) & 1u) {
                         const uint32_t key = stored_key(__uint_as_float(tl.key[q]));
                         if (pos < seg_cap)
@@ -521,7 +571,19 @@ __global__ void __launch_bounds__(THREADS, 1)
                     }
             }
             wcount += __shfl_sync(0xFFFFFFFFu, incl, 31);
-        });
+        };
+        /* the chunks from the ring, in order; a slot is refilled with the chunk nslots ahead once its
+         * values are used (the copies are this thread's own: no barrier) */
+        if constexpr (STREAM) {
+            for (int c = 0; c < my_nch; c++) {
+                __pipeline_wait_prior(nslots - 1); /* chunk c's group (one group per chunk issued since) */
+                RowTile<VEC> cur;
+                cur.load_staged(xr, L, seg + c * P, ring + (size_t)(c % nslots) * P);
+                collect(cur);
+                stage_copy(c + nslots);
+            }
+            __pipeline_wait_prior(0); /* (empty groups) */
+        }
         PROF(25);
         kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
         if (lane == 0) {
@@ -657,7 +719,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (b >= 1) {
             /* a fixed trip count (C is a launch parameter): the loads issue back to back */
 #pragma unroll
-            for (int r = 0; r < (CLUSTER ? MAX_C : 1); r++)
+            for (int r = 0; r < (CLUSTER ? GVR_RANKS<STREAM> : 1); r++)
                 cnt += r < C ? Cnt::get(s.recv[par][r], b) : 0;
         }
         int incl, total; /* total: elements in bins >= 1 */
@@ -875,36 +937,56 @@ __global__ void __launch_bounds__(THREADS, 1)
 
 /* ---- launcher --------------------------------------------------------------------------------- */
 
-/* streamed: the collection buffer (dynamic shared memory) */
-template <bool STREAM>
-constexpr size_t GVR_DYN_SMEM = STREAM ? (size_t)GVR_COLLECT_CAP_LONG * sizeof(uint2) : 0; /* the most */
-
 /* streamed: the collection capacity of a launch whose CTAs hold nch chunks each (launch.h) */
 inline int gvr_collect_cap(int nch)
 {
     return nch >= GVR_COLLECT_LONG_NCH ? GVR_COLLECT_CAP_LONG : GVR_COLLECT_CAP;
 }
 
-/* set the kernel's function attributes on device dev (once per device and score type) */
+/* Set the kernel's function attributes on device dev (once per device and score type); *dyn: the
+ * dynamic shared memory it may take (streamed: all that its static shared memory leaves, for the
+ * collection buffer and the staging ring; 0 for register-held rows). */
 template <typename T, bool CLUSTER, int VEC, bool STREAM>
-cudaError_t gvr_configure(int dev)
+cudaError_t gvr_configure(int dev, int *dyn)
 {
-    static DeviceCache<1> configured;
-    if (configured.get(dev, 0))
+    static DeviceCache<1> configured; /* the dynamic bytes + 1 */
+    const int c = configured.get(dev, 0);
+    if (c) {
+        *dyn = c - 1;
         return cudaSuccess;
+    }
     auto fn = gvr_topk_gvr_kernel<T, CLUSTER, VEC, STREAM>;
     if (CLUSTER) {
         const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
         if (e != cudaSuccess)
             return e;
     }
-    if (GVR_DYN_SMEM<STREAM> > 0) {
-        const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GVR_DYN_SMEM<STREAM>);
+    int d = 0;
+    if (STREAM) {
+        cudaFuncAttributes fa;
+        int optin = 0;
+        cudaError_t e = cudaFuncGetAttributes(&fa, fn);
+        if (e == cudaSuccess)
+            e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (e != cudaSuccess)
+            return e;
+        d = optin - (int)fa.sharedSizeBytes;
+        e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, d);
         if (e != cudaSuccess)
             return e;
     }
-    configured.put(dev, 0, 1);
+    configured.put(dev, 0, d + 1);
+    *dyn = d;
     return cudaSuccess;
+}
+
+/* streamed: the staging slots (chunks of P elements) beside a collection buffer of `cap` pairs in
+ * `dyn` bytes (0: fewer than two fit) */
+template <typename T, int VEC>
+inline int gvr_stage_slots(int dyn, int cap)
+{
+    const int slot = RowTile<VEC>::P * (int)sizeof(T), n = (dyn - cap * (int)sizeof(uint2)) / slot;
+    return n < 2 ? 0 : (n > STAGE_SLOTS ? STAGE_SLOTS : n);
 }
 
 template <bool CLUSTER, int VEC, bool STREAM>
@@ -915,14 +997,15 @@ int GvrInstance<CLUSTER, VEC, STREAM>::resident_rows(int dev, int C)
     if (n > 0)
         return n;
     auto fn = gvr_topk_gvr_kernel<float, CLUSTER, VEC, STREAM>; /* the plan's: float32 instance */
-    if (gvr_configure<float, CLUSTER, VEC, STREAM>(dev) == cudaSuccess) {
+    int dyn = 0;
+    if (gvr_configure<float, CLUSTER, VEC, STREAM>(dev, &dyn) == cudaSuccess) {
         if (CLUSTER) {
-            LaunchConfig lc((unsigned)C, THREADS, C, GVR_DYN_SMEM<STREAM>, nullptr, false);
+            LaunchConfig lc((unsigned)C, THREADS, C, (size_t)dyn, nullptr, false);
             if (cudaOccupancyMaxActiveClusters(&n, fn, &lc.cfg) != cudaSuccess)
                 n = 0;
         } else {
             int per_sm = 0, sms = 0;
-            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, THREADS, GVR_DYN_SMEM<STREAM>) == cudaSuccess &&
+            if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, THREADS, (size_t)dyn) == cudaSuccess &&
                 sm_count(dev, &sms) == cudaSuccess)
                 n = per_sm * sms;
         }
@@ -937,15 +1020,20 @@ int GvrInstance<CLUSTER, VEC, STREAM>::resident_rows(int dev, int C)
 template <typename T, bool CLUSTER, int VEC, bool STREAM>
 cudaError_t gvr_launch_t(const gvr_topk_params *p, int dev, int C, int nch, cudaStream_t stream)
 {
-    const cudaError_t e = gvr_configure<T, CLUSTER, VEC, STREAM>(dev);
+    int dyn = 0;
+    const cudaError_t e = gvr_configure<T, CLUSTER, VEC, STREAM>(dev, &dyn);
     if (e != cudaSuccess)
         return e;
     const int cap = STREAM ? gvr_collect_cap(nch) : 0;
-    LaunchConfig lc((unsigned)(C * p->B), THREADS, C, (size_t)cap * sizeof(uint2), stream);
+    const int nslots = STREAM ? gvr_stage_slots<T, VEC>(dyn, cap) : 0;
+    if (STREAM && nslots == 0)
+        return cudaErrorInvalidConfiguration; /* a device with less shared memory than sm_90's */
+    const size_t ring = (size_t)nslots * RowTile<VEC>::P * sizeof(T);
+    LaunchConfig lc((unsigned)(C * p->B), THREADS, C, (size_t)cap * sizeof(uint2) + ring, stream);
     return cudaLaunchKernelEx(&lc.cfg, gvr_topk_gvr_kernel<T, CLUSTER, VEC, STREAM>, static_cast<const T *>(p->scores),
                               (long long)p->row_stride, p->N, row_geom(p), p->prev, (long long)p->prev_stride,
                               prev_div(p), p->prev ? p->Kp : 0, p->k, p->out, (long long)p->out_stride,
-                              first_out_map(p), C, nch, cap / WARPS);
+                              first_out_map(p), C, nch, cap / WARPS, nslots);
 }
 
 template <bool CLUSTER, int VEC, bool STREAM>
