@@ -421,11 +421,12 @@ def test_masked_rows_ragged_and_half(dtype):
 
 @pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
 def test_streamed_rows_at_every_16_byte_phase(dtype):
-    # The streamed kernel's first pass reads the row's 16-byte-aligned part through bulk copies into
-    # a shared-memory ring (stages of 4096 positions) and the ends (< 16 bytes) directly: rows that
-    # start at every phase of a 16-byte boundary (an odd stride), lengths that end anywhere in a
-    # stage (just past and before stage and vector boundaries, short rows without a search, empty
-    # rows), the largest scores at both ends of each row, ties; the reference is the C path on the
+    # The streamed kernel's first pass reads the row's chunks (8192 positions) from a shared-memory
+    # ring that each thread fills with asynchronous copies of its vectors wholly inside the row (16
+    # bytes of float32, 8 of a half type), the row's ends directly: rows that start at every phase of
+    # a 16-byte boundary (an odd stride), lengths that end anywhere in a chunk (just past and before
+    # chunk and vector boundaries, short rows without a search, empty rows), the largest scores at
+    # both ends of each row, ties; the reference is the C path on the
     # same values in float32 (exact conversions)
     B, N = 64, 131072 + 37
     W = N + 7

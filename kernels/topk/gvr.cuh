@@ -307,6 +307,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         __pipeline_commit();
     };
+    /* wait until at most n of this thread's copy groups are pending; the compiler barrier keeps the
+     * slot's loads after it (the wait's asm in cuda_pipeline_helpers.h declares no memory clobber) */
+    auto stage_wait = [](int n) {
+        __pipeline_wait_prior(n);
+        asm volatile("" ::: "memory");
+    };
     if constexpr (CLUSTER) {
         if (t == 0) {
 #pragma unroll
@@ -468,7 +474,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     int wcount = 0; /* pairs this warp found (uniform in the warp; > seg_cap: overflowed) */
     bool from_buf = false;
     int buf_len = 0; /* streamed, from_buf: the most pairs any warp of this CTA holds */
-    bool chunk0_loaded = STREAM && !search; /* streamed: `tile` holds chunk 0's loads until the first pass */
+    bool chunk0_loaded = STREAM && !search; /* streamed rows without a search: `tile` holds chunk 0's loads */
     /* register-held row: raw floats while every round and the output can work on values (value
      * maps, key-aligned bounds above NaN), stored keys from the first that cannot (to_keys) */
     bool tile_raw = !STREAM && RAW_FIRST;
@@ -541,7 +547,7 @@ __global__ void __launch_bounds__(THREADS, 1)
      * collected pairs when no warp overflowed (no further pass over the row), else from the row.
      * Fewer: they are all selected, and the search continues below tc from the row. */
     if (staged && !verify) /* the staged copies are not read: complete before the kernel ends */
-        __pipeline_wait_prior(0);
+        stage_wait(0);
     if (verify) { /* uniform over the cluster; verify implies STREAM (register-held rows keep the band
                    * rounds: measured, a verify pass there costs one more cluster exchange than it saves) */
         uint32_t kmax = 0u;
@@ -576,13 +582,13 @@ __global__ void __launch_bounds__(THREADS, 1)
          * values are used (the copies are this thread's own: no barrier) */
         if constexpr (STREAM) {
             for (int c = 0; c < my_nch; c++) {
-                __pipeline_wait_prior(nslots - 1); /* chunk c's group (one group per chunk issued since) */
+                stage_wait(nslots - 1); /* chunk c's group: at most the nslots - 1 later ones pending */
                 RowTile<VEC> cur;
                 cur.load_staged(xr, L, seg + c * P, ring + (size_t)(c % nslots) * P);
                 collect(cur);
                 stage_copy(c + nslots);
             }
-            __pipeline_wait_prior(0); /* (empty groups) */
+            stage_wait(0); /* (empty groups) */
         }
         PROF(25);
         kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
@@ -981,13 +987,18 @@ cudaError_t gvr_configure(int dev, int *dyn)
 }
 
 /* streamed: the staging slots (chunks of P elements) beside a collection buffer of `cap` pairs in
- * `dyn` bytes (0: fewer than two fit) */
+ * `dyn` bytes (0: none fits) */
 template <typename T, int VEC>
 inline int gvr_stage_slots(int dyn, int cap)
 {
     const int slot = RowTile<VEC>::P * (int)sizeof(T), n = (dyn - cap * (int)sizeof(uint2)) / slot;
-    return n < 2 ? 0 : (n > STAGE_SLOTS ? STAGE_SLOTS : n);
+    return n < 1 ? 0 : (n > STAGE_SLOTS ? STAGE_SLOTS : n);
 }
+/* sm_90's and sm_100's 227 KB of shared memory per CTA hold the streamed kernel's static shared
+ * memory, the larger collection buffer and two float32 slots (one would serialize the pass) */
+static_assert(sizeof(GvrShared<true>) + 1024 + GVR_COLLECT_CAP_LONG * sizeof(uint2) +
+                      2 * sizeof(float) * RowTile<GVR_STREAM_VEC>::P <= 227 * 1024,
+              "streamed top-k: the staging ring does not fit beside the collection buffer");
 
 template <bool CLUSTER, int VEC, bool STREAM>
 int GvrInstance<CLUSTER, VEC, STREAM>::resident_rows(int dev, int C)
@@ -1026,8 +1037,9 @@ cudaError_t gvr_launch_t(const gvr_topk_params *p, int dev, int C, int nch, cuda
         return e;
     const int cap = STREAM ? gvr_collect_cap(nch) : 0;
     const int nslots = STREAM ? gvr_stage_slots<T, VEC>(dyn, cap) : 0;
-    if (STREAM && nslots == 0)
-        return cudaErrorInvalidConfiguration; /* a device with less shared memory than sm_90's */
+    if (STREAM && (nslots == 0 || C > GVR_STREAM_MAX_C))
+        return cudaErrorInvalidConfiguration; /* a device with less shared memory than sm_90's; a
+                                               * cluster larger than the exchange buffers */
     const size_t ring = (size_t)nslots * RowTile<VEC>::P * sizeof(T);
     LaunchConfig lc((unsigned)(C * p->B), THREADS, C, (size_t)cap * sizeof(uint2) + ring, stream);
     return cudaLaunchKernelEx(&lc.cfg, gvr_topk_gvr_kernel<T, CLUSTER, VEC, STREAM>, static_cast<const T *>(p->scores),
