@@ -50,6 +50,7 @@ and nothing synchronizes the device. Usage: python benchmarks/bench_sparda.py [-
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,6 +77,11 @@ def main():
                          "pipefp8: each pipeline again with each carveout (the layers' GEMVs off those SMs)")
     ap.add_argument("--kv", nargs="+", choices=("fp8", "bfloat16"), default=("fp8", "bfloat16"),
                     help="pipeparts, pipefp8: the KV caches' dtypes to run (default both)")
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="pipefp8: also each pipeline's async3 hidden share over R interleaved rounds (median, "
+                         "min, max)")
+    ap.add_argument("--priorities", nargs="+", type=int, default=(0, -1), metavar="P",
+                    help="pipefp8: the side streams' priorities to run (default 0 -1)")
     args = ap.parse_args()
     gvr = H.import_gvr(ROOT)
     import gvr.sparda  # noqa: F401
@@ -101,8 +107,9 @@ def main():
             r["pipelines"] = [p for p in r["pipelines"] if p is not None]  # (None: no carveout in this torch)
         elif args.only == "pipefp8":
             r = {"header": meta, "pipelines": [
-                _carved(torch, c, lambda: pipeline(gvr, torch, timer, lay, prefetcher=False, kv=kv, priority=pr))
-                for lay in ("8b", "light") for kv in args.kv for pr in (0, -1)
+                _carved(torch, c, lambda: pipeline(gvr, torch, timer, lay, prefetcher=False, kv=kv, priority=pr,
+                                                   rounds=args.rounds))
+                for lay in ("8b", "light") for kv in args.kv for pr in args.priorities
                 for c in (None,) + args.sm_carveout]}
             r["pipelines"] = [p for p in r["pipelines"] if p is not None]
         else:
@@ -556,14 +563,17 @@ def fp8_gathers(gvr, torch, timer):
 
 
 def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", priority=0, parts=False,
-             timeline=None):
+             timeline=None, rounds=1):
     """4 layers, 128K tokens, B 1: sync vs async prefetch one layer ahead (module docstring); kv: the host
     cache's and the staging cache's dtype, "bfloat16" or "fp8" (e4m3fn, attention with k_scale / v_scale);
     priority: the side streams' (torch's: lower is higher; 0 the default, -1 high: the gathers' CTAs take
     the SMs that the layer's kernels free before the layer's next CTAs do); parts: also each half of the
     transfer alone in the schedules (the selections only, the prefetches only: the other left out);
     timeline: a path prefix -- one replay of the async3 (tma) graph under torch.profiler: its kernels in
-    time order, per stream, written to PREFIX.txt (and the Chrome trace to PREFIX.json)."""
+    time order, per stream, written to PREFIX.txt (and the Chrome trace to PREFIX.json); rounds > 1: also
+    the hidden shares of async3 (both gathers) that many times, interleaved (sync, async3, transfer alone
+    timed back to back in each round): their median, min and max in r["rounds"] (one round's share is a
+    small difference of two step times over a transfer time, so single rounds scatter)."""
     L, P, Hq, Hkv, D, k, T = 4, 64, 32, 8, 128, 32, 131072
     pages = T // P
     bf = torch.bfloat16
@@ -764,6 +774,24 @@ def pipeline(gvr, torch, timer, layer="light", prefetcher=True, kv="bfloat16", p
             print(f"  {layer} {kv}, {keep} only (tma): sync {t['sync']:.0f} us, async3 {t['async3']:.0f} us, transfer "
                   f"{t['transfer']:.0f} us (layers 1-{L - 1}: {t['transfer_ahead']:.0f}) -> hidden "
                   f"{100 * t['hidden_ahead_async3']:.0f}% of layers 1-{L - 1}'s", flush=True)
+    if rounds > 1:
+        per = {f"{m}_{w}": [] for m in ("kernel", "tma") for w in ("all", "ahead")}
+        for _ in range(rounds):
+            for m in ("kernel", "tma"):
+                method[0] = m
+                t = {n: timer.graph(fn, 2, 10)["median_us"] for n, fn in
+                     (("sync", step_sync), ("async3", step_async3), ("transfer", transfer_only),
+                      ("transfer_ahead", lambda: transfer_only(1)))}
+                per[f"{m}_all"].append((t["sync"] - t["async3"]) / t["transfer"])
+                per[f"{m}_ahead"].append((t["sync"] - t["async3"]) / t["transfer_ahead"])
+        r["rounds"] = {key: {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
+                       for key, v in per.items()}
+        print(f"  {layer} {kv}, priority {priority}: async3 hidden over {rounds} interleaved rounds, median "
+              f"[min, max], of all transfer / of layers 1-{L - 1}'s: "
+              + "; ".join(f"{m} " + " / ".join(f"{100 * r['rounds'][f'{m}_{w}']['median']:.0f}% "
+                                              f"[{100 * r['rounds'][f'{m}_{w}']['min']:.0f}, "
+                                              f"{100 * r['rounds'][f'{m}_{w}']['max']:.0f}]" for w in ("all", "ahead"))
+                          for m in ("kernel", "tma")), flush=True)
     method[0] = "kernel"
     for name in ("async", "async3"):
         r[f"hidden_{name}"] = (r["sync"] - r[name]) / r["transfer"]

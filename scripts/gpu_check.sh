@@ -25,6 +25,9 @@
 #              without and with its GEMVs kept off 2 SMs, fp8 KV: issue 14's hidden share)
 #   spardapipecarve  bench_sparda --only pipefp8 --sm-carveout $CARVE (default 4): both layer pipelines with the
 #              matmuls kept off SMs (gvr.sparda.matmul_carveout)
+#   spardahidden  bench_sparda --only pipefp8 --rounds ${ROUNDS:-7} --priorities 0 --kv bfloat16 fp8 --sm-carveout ${CARVE:-4}:
+#              each pipeline's async3 hidden share over interleaved rounds (median, min, max), with and without
+#              the carveout (issue 14's ">= 90% hidden" bar)
 #   spardafp8  bench_sparda --only fp8 (prefetch from an fp8 host cache vs a bfloat16 one)
 #   spardapipe  bench_sparda --only pipeline (layer pipelines: stream-ordered schedules and the Prefetcher)
 #   spardapipefp8  bench_sparda --only pipefp8 (the pipelines over fp8 host caches beside bfloat16 ones)
@@ -306,6 +309,13 @@ spardapipecarve() {  # pipefp8 (the 8B-like and light pipelines, side-stream pri
     | tee "$OUT/bench_sparda_pipe_carveout.log" | grep -E "^--|pipeline|only" | tail -24
 }
 
+spardahidden() {  # the pipelines' hidden shares over $ROUNDS interleaved rounds, without and with the carveout
+  say "bench_sparda --only pipefp8 --rounds ${ROUNDS:-7} --sm-carveout ${CARVE:-4}"
+  (cd /tmp && timeout -k 5 590 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only pipefp8 --rounds ${ROUNDS:-7} \
+    --priorities 0 --kv bfloat16 fp8 --sm-carveout ${CARVE:-4} --json "$OUT/results_sparda_hidden.json") 2>&1 \
+    | tee "$OUT/bench_sparda_hidden.log" | grep -E "^--|interleaved|only" | tail -24
+}
+
 spardaselect() {  # bench_sparda --only select: forecast_select alone and beside a GEMV (gvr, counts first, torch)
   say "bench_sparda --only select"
   (cd /tmp && timeout -k 5 200 $PY -X faulthandler "$ROOT/benchmarks/bench_sparda.py" --only select \
@@ -531,6 +541,7 @@ for mode in "${@:-check}"; do
     topkedgesab) topkedgesab ;;
     spardapartscarve) spardapartscarve ;;
     spardapipecarve) spardapipecarve ;;
+    spardahidden) spardahidden ;;
     topkragged) topkragged ;;
     gputests) gputests ;;
     prrfused) prrfused ;;
