@@ -163,16 +163,16 @@ template <bool STREAM>
 constexpr int GVR_RANKS = STREAM ? GVR_STREAM_MAX_C : MAX_C;
 
 /* Streamed rows, the verify pass: each thread copies its positions of the row's chunks into a ring
- * of shared-memory slots with asynchronous copies (cp.async, up to STAGE_SLOTS chunks in flight, the
- * first ones issued right behind the guess's sample loads) and reads them back itself, so that no
- * register holds a chunk in flight and no barrier orders the ring: more of the row streams in while
- * the guess is made than the one chunk of loads the registers held (the guess took ~6K cycles of a
- * 48K-cycle call at B=64 128K), and the pass has more than one chunk in flight. H100, B=64: 128K
- * 25.2 -> 24.4 us, 256K 35.0 -> 33.8 (benchmarks/RESULTS.md, session 21). Measured and not kept:
- * half-chunk stages (8 slots: 27.7 us at 128K, the pass's per-chunk work doubled), bulk copies
- * (cp.async.bulk, one per stage, an mbarrier per slot: 32.3 us, ~10-12 GB/s per SM), the copies
- * issued before the sample's loads (29.5 us with half-chunk stages: the guess waited behind them). */
-constexpr int STAGE_SLOTS = 4;
+ * of shared-memory slots with asynchronous copies (cp.async, STAGE_SLOTS chunks in flight, the first
+ * ones issued right behind the guess's sample loads) and reads them back itself, so that no register
+ * holds a chunk in flight and no barrier orders the ring: two chunks stream in while the guess is
+ * made (the registers held one; the guess took ~6K cycles of a 48K-cycle call at B=64 128K). H100
+ * (benchmarks/RESULTS.md, session 21), B=64: 128K 25.4 -> 24.0 us, 256K 35.2 -> 33.9, 64K 17.5 ->
+ * 16.7; B=8 256K 16.2 -> 15.8. Measured and not kept: 3 and 4 slots (128K 24.3, 24.5-24.7: more
+ * chunks in flight per SM, slower), half-chunk stages (8 slots: 27.7 us, the pass's per-chunk work
+ * doubled), bulk copies (cp.async.bulk, one per stage, an mbarrier per slot: 32.3 us, ~10-12 GB/s per
+ * SM), copies issued before the sample's loads (29.5 us with half-chunk stages). */
+constexpr int STAGE_SLOTS = 2;
 
 template <bool STREAM>
 struct GvrShared {
@@ -995,9 +995,9 @@ inline int gvr_stage_slots(int dyn, int cap)
     return n < 1 ? 0 : (n > STAGE_SLOTS ? STAGE_SLOTS : n);
 }
 /* sm_90's and sm_100's 227 KB of shared memory per CTA hold the streamed kernel's static shared
- * memory, the larger collection buffer and two float32 slots (one would serialize the pass) */
+ * memory, the larger collection buffer and STAGE_SLOTS float32 slots (one would serialize the pass) */
 static_assert(sizeof(GvrShared<true>) + 1024 + GVR_COLLECT_CAP_LONG * sizeof(uint2) +
-                      2 * sizeof(float) * RowTile<GVR_STREAM_VEC>::P <= 227 * 1024,
+                      STAGE_SLOTS * sizeof(float) * RowTile<GVR_STREAM_VEC>::P <= 227 * 1024,
               "streamed top-k: the staging ring does not fit beside the collection buffer");
 
 template <bool CLUSTER, int VEC, bool STREAM>
