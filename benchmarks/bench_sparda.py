@@ -46,6 +46,8 @@ when the GPU would wait for it; median us; GB/s = K + V bytes moved / time):
 Every gather is checked byte for byte against the host pages. While a Prefetcher runs nothing allocates
 and nothing synchronizes the device. Usage: python benchmarks/bench_sparda.py [--json PATH] [--quick]
 [--only prefetcher|shapes|pipeline|fp8|pipefp8|pipeparts|select] [--sm-carveout 0,2,4] [--timeline PREFIX]
+[--kv fp8 bfloat16] [--rounds R] [--priorities 0 -1] (pipefp8 with --rounds R: each pipeline's hidden share
+over R interleaved rounds, median and range; single graph timings scatter by 10 points and more)
 """
 import argparse
 import contextlib
