@@ -235,12 +235,18 @@ struct RowTile {
             if (i >= 0 && i + 3 < len) {
                 Elem<T>::ld4(row + i, &key[4 * j]);
             } else {
-#pragma unroll
-                for (int l = 0; l < 4; l++)
-                    key[4 * j + l] =
-                        ((unsigned)(i + l) < (unsigned)len) ? __float_as_uint(Elem<T>::ld(row + i + l)) : RAW_PAST_END;
+                load_ends(row, len, i, j);
             }
         }
+    }
+
+    /* vector j of a row's end: element by element, a NaN outside the row */
+    template <typename T>
+    __device__ __forceinline__ void load_ends(const T *row, int len, int i, int j)
+    {
+#pragma unroll
+        for (int l = 0; l < 4; l++)
+            key[4 * j + l] = ((unsigned)(i + l) < (unsigned)len) ? __float_as_uint(Elem<T>::ld(row + i + l)) : RAW_PAST_END;
     }
 
     /* The same from this thread's staged copies of these P positions (`stage`: position `first`'s
@@ -257,10 +263,7 @@ struct RowTile {
             if (i >= 0 && i + 3 < len) {
                 Elem<T>::lds4(stage + o, &key[4 * j]);
             } else {
-#pragma unroll
-                for (int l = 0; l < 4; l++)
-                    key[4 * j + l] =
-                        ((unsigned)(i + l) < (unsigned)len) ? __float_as_uint(Elem<T>::ld(row + i + l)) : RAW_PAST_END;
+                load_ends(row, len, i, j);
             }
         }
     }

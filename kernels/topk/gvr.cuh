@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
             for (int j = 0; j < VEC; j++) {
                 const int o = (j * THREADS + t) * 4, i = base + o;
-                if (i >= 0 && i + 3 < L)
+                if (i >= 0 && i + 3 < L) /* the vectors that load_staged reads from the slot */
                     __pipeline_memcpy_async(slot + o, xr + i, 4 * sizeof(T));
             }
         }
