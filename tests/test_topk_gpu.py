@@ -262,12 +262,19 @@ def test_streamed_collection_fallbacks():
     # (1) a warp's segment overflows (k = 60000 of 262144 at B=64: ~35K collected per CTA, whose
     #     warps hold 1024 pairs each);
     # (2) the k-th value lies below the threshold (half the row tied at 5.0 under a bimodal sample
-    #     whose normal-quantile estimate lands far above it); plus the plain path for contrast.
+    #     whose normal-quantile estimate lands far above it); plus the plain path for contrast;
+    # (3) the pairs' first bins (256 over [threshold, threshold + 3 sample sd), counted before the
+    #     exchange) put the k-th in the top bin: 4096 scores per row in [50, 60] in steps of 0.5
+    #     (tied) far above a threshold near 19, so that the rounds go on from the pairs.
     B, N = 64, 262144
     x = data.iid_scores(B, N, dist="normal", seed=11)
     tied = x.copy()
     tied[:, ::2] = 5.0
-    for scores, k in ((x, 60000), (tied, 2048), (x, 2048)):
+    heavy = x.copy()
+    rng = np.random.default_rng(5)
+    for r in range(B):
+        heavy[r, rng.choice(N, 4096, replace=False)] = np.round(rng.uniform(50, 60, 4096) * 2) / 2
+    for scores, k in ((x, 60000), (tied, 2048), (heavy, 2048), (x, 2048)):
         want = cpu_result(scores, k)
         xg = gpu(scores)
         for prev in (None, gpu(want)):

@@ -35,7 +35,9 @@
  *    collects the (key, index) pairs at or above it into per-warp shared-memory segments at offsets
  *    from a warp scan of per-thread bit masks: no histogram and no shared atomics, so it runs at the speed of the loads. When at
  *    least kk lie at or above tc and no warp overflowed, the rounds and the output read the pairs,
- *    not the row (one pass over the row in all); otherwise they re-read the row.
+ *    not the row (one pass over the row in all); otherwise they re-read the row. Each CTA bins its
+ *    pairs before the exchange that tells whether they hold the k-th, so that the first round's
+ *    counts travel with it.
  *  - Register-held rows stay raw floats while the rounds and the output can compare values (value
  *    maps, key-aligned bounds); they become stored keys only when a round needs keys (shift maps,
  *    ties at the boundary).
@@ -177,8 +179,14 @@ constexpr int STAGE_SLOTS = 2;
 template <bool STREAM>
 struct GvrShared {
     static constexpr int W = BinCounts<STREAM>::W;
-    uint32_t hist[W];                         /* this CTA's counts of the current round */
-    uint32_t recv[2][GVR_RANKS<STREAM>][W];   /* every rank's counts, double-buffered by round parity */
+    /* this CTA's counts of the current round; streamed verify pass: 4 words behind them (overflow,
+     * pairs, largest key, fullest warp) */
+    /* streamed: 4 more words behind the counts, the verify pass's (overflow, pairs, largest key,
+     * fullest warp), and rows padded to 128-byte multiples: rows of W + 4 words measured slower (H100,
+     * B=64 256K 34.0 -> 37.2 us, 128K 24.0 -> 24.6; benchmarks/RESULTS.md, session 22) */
+    static constexpr int WX = STREAM ? W + 32 : W;
+    uint32_t hist[WX];                        /* this CTA's counts of the current round */
+    uint32_t recv[2][GVR_RANKS<STREAM>][WX];  /* every rank's words, double-buffered by round parity */
     uint2 cand[CAND_CAP];                     /* rank 0: (key, index) of the candidates */
     int above[MAX_C];                         /* per rank: elements above Z */
     int inb[MAX_C];                           /* per rank: elements in [A, Z] */
@@ -374,7 +382,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     if constexpr (!STREAM && !RAW_FIRST)
         tile.convert(); /* while the gathers are in flight */
-    if (t < HW)
+    if (t < GvrShared<STREAM>::WX)
         s.hist[t] = 0;
     if (t < MAX_C) {
         /* per-rank valid elements: everything is "in" before the first round */
@@ -402,6 +410,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     /* streamed: the verify pass collects the elements >= tc (a value below the guessed k-th); band:
      * the width of the value band searched below tc when fewer than kk lie above it */
     bool verify = false;
+    /* streamed, verify: each CTA bins its collected pairs over [tc, tc + band) right after its pass and
+     * the bins travel with the verify exchange, so that the first round needs no exchange of its own */
+    bool pre = false;
     float tc = 0.f, band = 0.f;
     bool use_pred = false;
     if (search) {
@@ -458,6 +469,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             map = value_map(center - spread, inv_w);
             band = 2.f * spread;
             verify = STREAM && isfinite(tc) && value_layout_ok(tc - band, (float)(GVR_BINS - 2) * __frcp_rn(band));
+            pre = verify && value_layout_ok(tc, (float)(GVR_BINS - 2) * __frcp_rn(band));
         }
     }
     if constexpr (CLUSTER)
@@ -473,6 +485,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint2 *wseg = xbuf + warp * seg_cap;
     int wcount = 0; /* pairs this warp found (uniform in the warp; > seg_cap: overflowed) */
     bool from_buf = false;
+    bool have_hist = false; /* the first round's counts came with the verify exchange (pre) */
     int buf_len = 0; /* streamed, from_buf: the most pairs any warp of this CTA holds */
     bool chunk0_loaded = STREAM && !search; /* streamed rows without a search: `tile` holds chunk 0's loads */
     /* register-held row: raw floats while every round and the output can work on values (value
@@ -543,9 +556,14 @@ __global__ void __launch_bounds__(THREADS, 1)
      * with tc and collects those at or above it into this warp's shared-memory segment at ballot
      * offsets (deterministic; no histogram, no shared atomics: the pass runs at the speed of the
      * loads). The exchange gives every CTA each rank's count, the largest collected key and the
-     * overflow flags. At least kk at or above tc: the search continues on [tc, max] -- from the
-     * collected pairs when no warp overflowed (no further pass over the row), else from the row.
-     * Fewer: they are all selected, and the search continues below tc from the row. */
+     * overflow flags, and (pre) each rank's counts of its pairs in 256 bins over [tc, tc + band),
+     * binned right after its own pass (a CTA whose pass ends first bins while it would wait). At least
+     * kk at or above tc: the search continues on [tc, max] -- from the collected pairs when no warp
+     * overflowed (no further pass over the row; with pre, the first round's counts are already here:
+     * one cluster exchange fewer), else from the row. Fewer: they are all selected, and the search
+     * continues below tc from the row. H100 (benchmarks/RESULTS.md, session 22), pre against binning
+     * after the exchange over [tc, max]: B=64 128K 24.1 -> 23.4 us, 64K 16.7 -> 16.2, 256K 34.1 ->
+     * 33.5; B=8 256K 15.9 -> 15.3. */
     if (staged && !verify) /* the staged copies are not read: complete before the kernel ends */
         stage_wait(0);
     if (verify) { /* uniform over the cluster; verify implies STREAM (register-held rows keep the band
@@ -591,30 +609,55 @@ __global__ void __launch_bounds__(THREADS, 1)
             stage_wait(0); /* (empty groups) */
         }
         PROF(25);
+        /* pre: this CTA's pairs binned over [tc, tc + band) (pairs are at or above tc: bins >= 1; the top
+         * bin counted in registers); of use when the cluster's pairs hold the kk-th and no warp
+         * overflowed (decided after the exchange), else the counts are dropped */
+        const float iwp = (float)(GVR_BINS - 2) * __frcp_rn(band);
+        if (pre) {
+            __syncwarp(); /* the warp's pairs, written by its lanes */
+            const int n = wcount < seg_cap ? wcount : seg_cap;
+            int top = 0;
+            for (int q0 = 0; q0 < n; q0 += 128 * VEC) { /* uniform in the warp */
+                PairTile<VEC> bt;
+                bt.load(wseg, n, q0);
+#pragma unroll
+                for (int i = 0; i < 4 * VEC; i++) {
+                    const int b = value_bin<GVR_BINS>(tc, iwp, bt.key[i]); /* key 0 past the end: bin 0 */
+                    top += b == GVR_BINS - 1;
+                    if (b && b < GVR_BINS - 1)
+                        Cnt::add(s.hist, b);
+                }
+            }
+            top = __reduce_add_sync(0xFFFFFFFFu, top);
+            if (lane == 0 && top)
+                Cnt::add(s.hist, GVR_BINS - 1, (uint32_t)top);
+            PROF(26);
+        }
+        const int fo = pre ? HW : 0; /* the flag words: behind the bins, or alone */
         kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
         if (lane == 0) {
             if (wcount > seg_cap)
-                atomicOr(&s.hist[0], 1u);
+                atomicOr(&s.hist[fo], 1u);
             if (wcount)
-                atomicAdd(&s.hist[1], (uint32_t)wcount);
-            atomicMax(&s.hist[2], kmax);
-            atomicMax(&s.hist[3], (uint32_t)wcount);
+                atomicAdd(&s.hist[fo + 1], (uint32_t)wcount);
+            atomicMax(&s.hist[fo + 2], kmax);
+            atomicMax(&s.hist[fo + 3], (uint32_t)wcount);
         }
         __syncthreads();
         PROF(20);
-        exchange(4);
+        exchange(fo + 4);
         PROF(21);
         int total = 0;
         bool over = false;
         uint32_t kmx = 0u;
         for (int r = 0; r < C; r++) {
-            over |= s.recv[par][r][0] != 0u;
-            total += (int)s.recv[par][r][1];
-            kmx = s.recv[par][r][2] > kmx ? s.recv[par][r][2] : kmx;
+            over |= s.recv[par][r][fo] != 0u;
+            total += (int)s.recv[par][r][fo + 1];
+            kmx = s.recv[par][r][fo + 2] > kmx ? s.recv[par][r][fo + 2] : kmx;
         }
         const uint32_t kc = stored_key(tc);
         if (t < C) {
-            const int cr = (int)s.recv[par][t][1];
+            const int cr = (int)s.recv[par][t][fo + 1];
             if (total >= kk) {
                 s.inb[t] = cr;
             } else {
@@ -622,16 +665,21 @@ __global__ void __launch_bounds__(THREADS, 1)
                 s.inb[t] -= cr;
             }
         }
-        if (t < 4)
+        if (t < fo + 4)
             s.hist[t] = 0u;
         if (total >= kk) {
             A = (unsigned long long)kc << 32;
             Z = ((unsigned long long)kmx << 32) | 0xFFFFFFFFull;
             cnt_in = total;
             from_buf = STREAM && !over;
-            buf_len = (int)s.recv[par][rank][3]; /* <= seg_cap when no warp overflowed */
+            buf_len = (int)s.recv[par][rank][fo + 3]; /* <= seg_cap when no warp overflowed */
             const float vmx = key_value(kmx), iw = (float)(GVR_BINS - 2) / (vmx - tc);
-            map = kmx < KEY_POS_INF && vmx > tc && value_layout_ok(tc, iw) ? value_map(tc, iw) : shift_map(A, Z);
+            if (pre && from_buf) {
+                map = value_map(tc, iwp); /* the first round's counts are in s.recv[par] */
+                have_hist = true;
+            } else {
+                map = kmx < KEY_POS_INF && vmx > tc && value_layout_ok(tc, iw) ? value_map(tc, iw) : shift_map(A, Z);
+            }
         } else {
             Z = ((unsigned long long)kc << 32) - 1ull;
             above_total = total;
@@ -639,7 +687,8 @@ __global__ void __launch_bounds__(THREADS, 1)
             const float iw = (float)(GVR_BINS - 2) * __frcp_rn(band);
             map = value_map(tc - band, iw); /* checked with verify */
         }
-        par ^= 1;
+        if (!have_hist)
+            par ^= 1;
         __syncthreads(); /* s.hist, s.inb, s.above */
         PROF(23);
         PROFV(90, cnt_in);
@@ -647,76 +696,79 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     /* rounds */
     while (cnt_in > CAND_CAP) {
-        if (!map.value && (A >> 32) == (Z >> 32)) {
-            /* one key left (ties): its elements' composite keys lie in [key << 32 | 2^32 - L, key << 32 |
-             * 2^32 - 1] (indices below L), so the shift map spans L, not 2^32: a tied run of a 128K row
-             * takes two rounds instead of three (one up to 64K) */
-            const unsigned long long lo = (A & 0xFFFFFFFF00000000ull) | (0x100000000ull - (unsigned long long)L);
-            A = lo > A ? lo : A;
-            map = shift_map(A, Z);
-        }
-        const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
-        int top = 0; /* this thread's elements in the top bin (above the band: counted in a register) */
-        /* bin 0 (below the band: most elements) follows from the totals; the two maps get their own
-         * loops so that the hot one carries no per-element branch on the map kind */
-        if (!STREAM && tile_raw && map.value && kz >= 2u) {
-            /* the register-held row on its raw floats: [A, Z] as values (key order is value order
-             * with -0 == +0; the NaNs, and the NaN fill past the row's end, fail both compares, and
-             * they would land in the uncounted bin 0 of any value map anyway) */
-            const float v0 = map.lay.v0, iw = map.lay.inv_w;
-            const float va = ka >= 2u ? key_value(ka) : -INFINITY, vz = key_value(kz);
-#pragma unroll
-            for (int i = 0; i < 4 * VEC; i++) {
-                const float v = __uint_as_float(tile.key[i]);
-                const int b = (v >= va && v <= vz) ? value_bin_f<GVR_BINS>(v0, iw, v) : 0;
-                top += b == GVR_BINS - 1;
-                if (b && b < GVR_BINS - 1)
-                    Cnt::add(s.hist, b);
+        if (!have_hist) {
+            if (!map.value && (A >> 32) == (Z >> 32)) {
+                /* one key left (ties): its elements' composite keys lie in [key << 32 | 2^32 - L, key << 32 |
+                 * 2^32 - 1] (indices below L), so the shift map spans L, not 2^32: a tied run of a 128K row
+                 * takes two rounds instead of three (one up to 64K) */
+                const unsigned long long lo = (A & 0xFFFFFFFF00000000ull) | (0x100000000ull - (unsigned long long)L);
+                A = lo > A ? lo : A;
+                map = shift_map(A, Z);
             }
-        } else if (map.value) {
-            to_keys();
-            const float v0 = map.lay.v0, iw = map.lay.inv_w; /* A, Z key-aligned: 32-bit keys only */
-            sweep([&](const auto &tl) {
+            const uint32_t ka = (uint32_t)(A >> 32), kz = (uint32_t)(Z >> 32);
+            int top = 0; /* this thread's elements in the top bin (above the band: counted in a register) */
+            /* bin 0 (below the band: most elements) follows from the totals; the two maps get their own
+             * loops so that the hot one carries no per-element branch on the map kind */
+            if (!STREAM && tile_raw && map.value && kz >= 2u) {
+                /* the register-held row on its raw floats: [A, Z] as values (key order is value order
+                 * with -0 == +0; the NaNs, and the NaN fill past the row's end, fail both compares, and
+                 * they would land in the uncounted bin 0 of any value map anyway) */
+                const float v0 = map.lay.v0, iw = map.lay.inv_w;
+                const float va = ka >= 2u ? key_value(ka) : -INFINITY, vz = key_value(kz);
 #pragma unroll
                 for (int i = 0; i < 4 * VEC; i++) {
-                    const uint32_t key = tl.key[i];
-                    const int b = (key >= ka && key <= kz) ? value_bin<GVR_BINS>(v0, iw, key) : 0;
+                    const float v = __uint_as_float(tile.key[i]);
+                    const int b = (v >= va && v <= vz) ? value_bin_f<GVR_BINS>(v0, iw, v) : 0;
                     top += b == GVR_BINS - 1;
                     if (b && b < GVR_BINS - 1)
                         Cnt::add(s.hist, b);
                 }
-            });
-        } else {
-            to_keys();
-            sweep([&](const auto &tl) {
+            } else if (map.value) {
+                to_keys();
+                const float v0 = map.lay.v0, iw = map.lay.inv_w; /* A, Z key-aligned: 32-bit keys only */
+                sweep([&](const auto &tl) {
 #pragma unroll
-                for (int j = 0; j < VEC; j++)
-#pragma unroll
-                    for (int l = 0; l < 4; l++) {
-                        const uint32_t key = tl.key[4 * j + l];
-                        const unsigned long long ck = composite(key, tl.index(j, l));
-                        const int b = (key != 0u && ck >= A && ck <= Z) ? (int)((ck - A) >> map.sh) : 0;
+                    for (int i = 0; i < 4 * VEC; i++) {
+                        const uint32_t key = tl.key[i];
+                        const int b = (key >= ka && key <= kz) ? value_bin<GVR_BINS>(v0, iw, key) : 0;
                         top += b == GVR_BINS - 1;
-                        /* register-held rows: runs of equal keys (constant rows, -inf masks) put a
-                         * whole warp in one bin, one atomic for the warp (constant 128K rows at B=1
-                         * 42.0 -> 33.6 us, H100); streamed rows measured slower with it (138 -> 190
-                         * us at B=64: their shift rounds are bound by the passes over the row) */
-                        if constexpr (STREAM) {
-                            if (b && b < GVR_BINS - 1)
-                                Cnt::add(s.hist, b);
-                        } else {
-                            warp_bin_add(b && b < GVR_BINS - 1, b, [&](int bb, uint32_t n) { Cnt::add(s.hist, bb, n); });
-                        }
+                        if (b && b < GVR_BINS - 1)
+                            Cnt::add(s.hist, b);
                     }
-            });
+                });
+            } else {
+                to_keys();
+                sweep([&](const auto &tl) {
+#pragma unroll
+                    for (int j = 0; j < VEC; j++)
+#pragma unroll
+                        for (int l = 0; l < 4; l++) {
+                            const uint32_t key = tl.key[4 * j + l];
+                            const unsigned long long ck = composite(key, tl.index(j, l));
+                            const int b = (key != 0u && ck >= A && ck <= Z) ? (int)((ck - A) >> map.sh) : 0;
+                            top += b == GVR_BINS - 1;
+                            /* register-held rows: runs of equal keys (constant rows, -inf masks) put a
+                             * whole warp in one bin, one atomic for the warp (constant 128K rows at B=1
+                             * 42.0 -> 33.6 us, H100); streamed rows measured slower with it (138 -> 190
+                             * us at B=64: their shift rounds are bound by the passes over the row) */
+                            if constexpr (STREAM) {
+                                if (b && b < GVR_BINS - 1)
+                                    Cnt::add(s.hist, b);
+                            } else {
+                                warp_bin_add(b && b < GVR_BINS - 1, b, [&](int bb, uint32_t n) { Cnt::add(s.hist, bb, n); });
+                            }
+                        }
+                });
+            }
+            top = __reduce_add_sync(0xFFFFFFFFu, top);
+            if (lane == 0 && top)
+                Cnt::add(s.hist, GVR_BINS - 1, top);
+            __syncthreads();
+            PROF(20);
+            exchange(HW);
+            PROF(21);
         }
-        top = __reduce_add_sync(0xFFFFFFFFu, top);
-        if (lane == 0 && top)
-            Cnt::add(s.hist, GVR_BINS - 1, top);
-        __syncthreads();
-        PROF(20);
-        exchange(HW);
-        PROF(21);
+        have_hist = false;
         if (t < HW)
             s.hist[t] = 0;
         /* cluster-summed counts, suffix sums from the top bin down, the bin holding the kk-th */
