@@ -25,13 +25,14 @@ first eager call with a torch tensor). ``register_torch_ops()`` does it explicit
 from __future__ import annotations
 
 import importlib.abc
+import numbers
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = [
     "framework", "prepare", "empty", "stream_handle", "compiling",
-    "define_op", "OpSpec", "register_torch_ops", "torch_ops_error",
+    "define_op", "OpSpec", "register_torch_ops", "torch_ops_error", "check_int",
 ]
 
 NAMESPACE = "gvr"
@@ -39,6 +40,17 @@ NAMESPACE = "gvr"
 # --------------------------------------------------------------------------------------------------
 # frameworks
 # --------------------------------------------------------------------------------------------------
+
+
+def check_int(name: str, v, lo: int = 1, hi: int | None = None) -> int:
+    """``v`` as a Python int (NumPy integers too; a bool is not an int here), checked in [lo, hi]: the
+    wrappers' one check of integer arguments, with the argument named in the error."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
+    v = int(v)
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"'{name}' must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]") + f", got {v}")
+    return v
 
 
 def framework(x) -> str:

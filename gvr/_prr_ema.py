@@ -49,22 +49,16 @@ from numbers import Real
 import numpy as np
 
 from . import _C
-from ._interop import _torch_module, compiling, define_op, framework, prepare
+from ._interop import _torch_module, check_int, compiling, define_op, framework, prepare
 from .topk import topk_decode
+
+_I32_MAX = 2**31 - 1  # the kernels' int32
 
 __all__ = ["EMAPredictor", "calibrate", "calibration_hit_rates", "DEFAULT_GRID"]
 
 #: alpha, beta in {1/6, ..., 5/6}, phi in {0, 0.25, 0.5, 0.75, 1}: 125 points
 DEFAULT_GRID = (tuple(i / 6 for i in range(1, 6)), tuple(i / 6 for i in range(1, 6)),
                 (0.0, 0.25, 0.5, 0.75, 1.0))
-
-
-def _check_int(name, v, lo=1):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"'{name}' must be >= {lo}, got {v}")
-    return int(v)
 
 
 def _int32_list(name, v):
@@ -80,17 +74,9 @@ def _int32_list(name, v):
     return a.astype(np.int32)
 
 
-def _check_i32(name, v, lo):
-    """an int in [lo, 2^31 - 1] (the kernels' int32)"""
-    v = _check_int(name, v, lo)
-    if v > 2**31 - 1:
-        raise ValueError(f"'{name}' must be < 2^31, got {v}")
-    return v
-
-
 def _check_counts(block_size, keep_first=0, keep_last=0):
-    return _check_i32("block_size", block_size, 1), _check_i32("keep_first", keep_first, 0), \
-        _check_i32("keep_last", keep_last, 0)
+    return check_int("block_size", block_size, 1, _I32_MAX), check_int("keep_first", keep_first, 0, _I32_MAX), \
+        check_int("keep_last", keep_last, 0, _I32_MAX)
 
 
 def _check_param(name, v, open_):
@@ -204,9 +190,9 @@ class EMAPredictor:
 
     def __init__(self, max_batch: int, Hkv: int, max_blocks: int, *, alpha: float = 0.5, beta: float = 0.5,
                  phi: float = 0.5, device="cpu"):
-        self.max_batch = _check_int("max_batch", max_batch)
-        self.Hkv = _check_int("Hkv", Hkv)
-        self.max_blocks = _check_int("max_blocks", max_blocks)
+        self.max_batch = check_int("max_batch", max_batch)
+        self.Hkv = check_int("Hkv", Hkv)
+        self.max_blocks = check_int("max_blocks", max_blocks)
         if self.max_blocks > 2**31 - 1:
             raise ValueError(f"'max_blocks' must be < 2^31, got {max_blocks}")
         self.set_params(alpha, beta, phi)
@@ -353,7 +339,7 @@ class EMAPredictor:
         (nblocks then holds token counts). out: a C-contiguous int32 ``[B, Hkv, num_blocks]`` to write
         into (required for allocation-free, graph-safe calls); allocated otherwise (NumPy, or torch in
         nblocks' framework and device)."""
-        k = _check_i32("num_blocks", num_blocks, 0)  # before anything is allocated
+        k = check_int("num_blocks", num_blocks, 0, _I32_MAX)  # before anything is allocated
         _check_counts(block_size, keep_first, keep_last)
         nblocks, B = self._nblocks(nblocks)
         H = self.Hkv
@@ -373,7 +359,7 @@ class EMAPredictor:
         Nb >= every row's block count nb, on CUDA a row's blocks from Nb on are left out: ``known =
         min(nb, Nb)``) into the state, in place (see the class docstring). block_size (>= 1): > 1,
         nblocks holds token counts (nb = ceil(nblocks[b] / block_size))."""
-        G = _check_i32("block_size", block_size, 1)
+        G = check_int("block_size", block_size, 1, _I32_MAX)
         nblocks, B = self._nblocks(nblocks)
         lv, tr, kn = self.level[:B], self.trend[:B], self.known[:B]
         if compiling():
@@ -395,7 +381,7 @@ class EMAPredictor:
         out: int32 ``[B, Hkv, num_blocks]``, C-contiguous, on the predictor's device (required:
         allocation-free and graph-safe). The arguments are checked before anything is written: a
         ValueError / TypeError (naming the argument) leaves the state as it was."""
-        k = _check_int("num_blocks", num_blocks, lo=0)
+        k = check_int("num_blocks", num_blocks, lo=0)
         G, kf, kl = _check_counts(block_size, keep_first, keep_last)
         nblocks, B = self._nblocks(nblocks)
         if out is None:
@@ -472,7 +458,7 @@ def _grid_points(grid):
 def calibration_hit_rates(prefill_scores, k: int, *, grid=None, stream=None):
     """The mean score-weighted hit rate of every grid point -> (points, hits): points a list of
     (alpha, beta, phi) in lexicographic order, hits float64 NumPy ``[G]`` (see ``calibrate``)."""
-    k = _check_int("k", k)
+    k = check_int("k", k)
     points = _grid_points(grid)
     G = len(points)
     shape = getattr(prefill_scores, "shape", None)

@@ -37,7 +37,8 @@ import numpy as np
 
 from .attention import repair as _repair
 from .attention import sparse_attention
-from ._prr_ema import EMAPredictor, _check_int
+from ._interop import check_int
+from ._prr_ema import EMAPredictor
 from ._prr_select import _overlap, select_blocks
 
 __all__ = ["SpeculativeAttention", "quest_select"]
@@ -165,19 +166,19 @@ class SpeculativeAttention:
     def __init__(self, max_batch, Hq, Hkv, D, max_blocks, *, block_size, k, budget=1.0, mode="exact",
                  predictor="ema", alpha=0.5, beta=0.5, phi=0.5, keep_first=1, keep_last=2, device="cpu",
                  dtype=None):
-        self.max_batch = _check_int("max_batch", max_batch)
-        self.keep_first = _check_int("keep_first", keep_first, lo=0)
-        self.keep_last = _check_int("keep_last", keep_last, lo=0)
-        self.Hq = _check_int("Hq", Hq)
-        self.Hkv = _check_int("Hkv", Hkv)
+        self.max_batch = check_int("max_batch", max_batch)
+        self.keep_first = check_int("keep_first", keep_first, lo=0)
+        self.keep_last = check_int("keep_last", keep_last, lo=0)
+        self.Hq = check_int("Hq", Hq)
+        self.Hkv = check_int("Hkv", Hkv)
         if self.Hq % self.Hkv:
             raise ValueError(f"'Hq' must be a multiple of 'Hkv', got Hq={self.Hq}, Hkv={self.Hkv}")
-        self.D = _check_int("D", D)
-        self.max_blocks = _check_int("max_blocks", max_blocks)
+        self.D = check_int("D", D)
+        self.max_blocks = check_int("max_blocks", max_blocks)
         if self.max_blocks > 2**31 - 1:
             raise ValueError(f"'max_blocks' must be < 2^31, got {max_blocks}")
-        self.block_size = _check_int("block_size", block_size)
-        self.k = _check_int("k", k)
+        self.block_size = check_int("block_size", block_size)
+        self.k = check_int("k", k)
         if isinstance(budget, bool) or not isinstance(budget, Real):
             raise TypeError(f"'budget' must be a float, got {type(budget).__name__}")
         if not (math.isfinite(float(budget)) and float(budget) >= 0):
@@ -288,7 +289,7 @@ class SpeculativeAttention:
         """The prediction buffer (int32 [B, Hkv, n_pred]) the next step will speculate on (joins a pending
         ``step(join=False)`` first)."""
         if B is not None:
-            B = _check_int("B", B)
+            B = check_int("B", B)
             if B > self.max_batch:
                 raise ValueError(f"'B' must lie in [1, {self.max_batch}], got {B}")
         self.join()
@@ -635,9 +636,9 @@ def quest_select(meta, k, lengths=None, *, block_size, init_blocks=1, local_bloc
     ms = _shape(meta)
     if ms is None or len(ms) != 5:
         raise ValueError(f"'meta' must be [B, Hkv, Nb, 2, D] (from gvr.prr.block_metadata), got {ms and list(ms)}")
-    kk = _check_int("k", k)
+    kk = check_int("k", k)
     Bm, Hkv, Nb = ms[:3]
-    Bmax = Bm if max_batch is None else _check_int("max_batch", max_batch)
+    Bmax = Bm if max_batch is None else check_int("max_batch", max_batch)
     if _is_torch(meta):
         t = sys.modules["torch"]
         sel_buf = t.full((Bmax, Hkv, kk), -1, dtype=t.int32, device=meta.device)

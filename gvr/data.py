@@ -92,6 +92,8 @@ from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
 
+from ._interop import check_int
+
 __all__ = [
     "ADVERSARIAL_KINDS",
     "PILOT_STEPS",
@@ -202,16 +204,6 @@ def _quantize(x: np.ndarray, frac_bits: int) -> np.ndarray:
     return np.clip(np.round(x * scale), -(2.0**16) * scale + 1, (2.0**16) * scale - 1) / scale
 
 
-def _int(name: str, v, lo: int) -> int:
-    """``v`` as a Python int (NumPy integers too; bool is not an int here), checked >= ``lo``."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
-    v = int(v)
-    if v < lo:
-        raise ValueError(f"'{name}' must be >= {lo}, got {v}")
-    return v
-
-
 def _row_seedseq(seed: int, row: int) -> np.random.SeedSequence:
     return np.random.SeedSequence([int(seed) & 0xFFFFFFFFFFFFFFFF, int(row)])
 
@@ -317,7 +309,7 @@ def topk_overlap(prev_idx, cur_idx) -> float:
 def trace_overlaps(rows: Sequence[np.ndarray], k: int) -> np.ndarray:
     """Per-step overlaps (length ``len(rows) - 1``) of the exact Top-k sets of
     consecutive NaN-free 1-D rows (ties at the k-th value: lowest indices)."""
-    k = _int("k", k, 1)
+    k = check_int("k", k, 1)
     idx = [_topk_idx(np.asarray(r), k) for r in rows]
     return np.array([topk_overlap(a, b) for a, b in zip(idx[:-1], idx[1:])], dtype=np.float64)
 
@@ -386,7 +378,7 @@ def _calibrate(model: _TraceModel, overlap: float, k: int) -> float:
 
 def _check_trace_args(n: int, steps: int, k: int, heads: int, dim: int) -> None:
     for name, v, lo in (("n", n, 0), ("steps", steps, 0), ("k", k, 1), ("heads", heads, 1), ("dim", dim, 2)):
-        _int(name, v, lo)
+        check_int(name, v, lo)
     if dim % 2:
         raise ValueError(f"'dim' must be even, got {dim}")
 
@@ -484,7 +476,7 @@ def decode_trace_batch(
     float32 arrays, array t of shape [batch, n+t]. Row 0 equals
     ``decode_trace(n, steps, ..., seed=seed)``; rows b > 0 come from their
     own seed streams (seed, b)."""
-    _int("batch", batch, 0)
+    check_int("batch", batch, 0)
     _check_trace_args(n, steps, k, heads, dim)
     out = [np.empty((batch, n + t), dtype=np.float32) for t in range(steps)]
     for b in range(batch):
@@ -508,7 +500,7 @@ def _seed(seed):
 def iid_scores(batch: int, n: int, *, dist: str = "normal", seed: int = 0) -> np.ndarray:
     """float32 [batch, n] of i.i.d. draws; ``dist`` in {"normal", "uniform",
     "exponential"} (standard forms: N(0,1), U[0,1), Exp(1))."""
-    shape = (_int("batch", batch, 0), _int("n", n, 0))
+    shape = (check_int("batch", batch, 0), check_int("n", n, 0))
     rng = np.random.default_rng(_seed(seed))  # any int seed, as the other generators
     if dist == "normal":
         return rng.standard_normal(shape, dtype=np.float32)
@@ -658,7 +650,7 @@ def ragged_lengths(batch: int, n: int, *, k: int = 2048, seed: int = 0) -> np.nd
     """int32 [batch] of row lengths in [0, n]: the edge values 0, n, 1, 2,
     k-1, k, k+1, n-1 (those in range, deduplicated, in that priority while
     ``batch`` allows) plus uniform draws, shuffled."""
-    batch, n = _int("batch", batch, 0), _int("n", n, 0)
+    batch, n = check_int("batch", batch, 0), check_int("n", n, 0)
     rng = np.random.default_rng(_seed(seed))  # any int seed, as the other generators
     edges = []
     for v in (0, n, 1, 2, k - 1, k, k + 1, n - 1, max(k // 2, 0)):

@@ -17,8 +17,8 @@ import numpy as np
 
 from . import _C
 from ._interop import (
-    _host_view, _torch_module, compiling, define_op, framework, is_cuda, prepare, stream_handle, torch_if_loaded,
-    traced_out,
+    _host_view, _torch_module, check_int, compiling, define_op, framework, is_cuda, prepare, stream_handle,
+    torch_if_loaded, traced_out,
 )
 from .attention import _check_traced_stream, _new, _stream_for, cached_workspace
 
@@ -34,15 +34,6 @@ def _torch(what="gvr.sparda.forecast_kl_loss"):
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise RuntimeError(f"{what} needs torch") from e
     return t
-
-
-def _check_int(name, v, lo, hi=None):
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # Python and NumPy ints
-        raise TypeError(f"'{name}' must be an int, got {type(v).__name__}")
-    v = int(v)
-    if v < lo or (hi is not None and v > hi):
-        raise ValueError(f"'{name}' must be " + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]") + f", got {v}")
-    return v
 
 
 _I32_MAX = 2**31 - 1
@@ -97,9 +88,9 @@ def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=
     Forecast's logits through every block, the non-selected ones via the rest bucket.
     """
     torch = _torch()
-    k = _check_int("k", k, 1)
-    pool_kernel = _check_int("pool_kernel", pool_kernel, 1)
-    pool_stride = _check_int("pool_stride", pool_stride, 1)
+    k = check_int("k", k, 1)
+    pool_kernel = check_int("pool_kernel", pool_kernel, 1)
+    pool_stride = check_int("pool_stride", pool_stride, 1)
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real):  # Python and NumPy numbers
         raise TypeError(f"'tau' must be a float > 0, got {type(tau).__name__}")
     if not (math.isfinite(tau) and tau > 0):
@@ -228,8 +219,8 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
     same tensor (a stride-0 view: no copy), over blocks of one "token" per window.
     """
     from ._prr_select import _run_select, select_blocks
-    kernel = _check_int("kernel", kernel, 1, _I32_MAX)
-    stride = _check_int("stride", stride, 1, _I32_MAX)
+    kernel = check_int("kernel", kernel, 1, _I32_MAX)
+    stride = check_int("stride", stride, 1, _I32_MAX)
     if hasattr(ktilde, "__dlpack__") and not isinstance(ktilde, np.ndarray) and \
             not type(ktilde).__module__.startswith("torch"):  # another DLPack producer: viewed in NumPy
         ktilde = _host_array(ktilde, "ktilde")
@@ -254,7 +245,7 @@ def forecast_select(F, ktilde, k, *, lengths, kernel=32, stride=16, init_blocks=
     if compiling():  # the window counts by torch ops (inductor fuses them), then select_blocks' ops
         return select_blocks(F, meta, k, _num_windows(lengths, kernel, stride), block_size=1,
                              init_blocks=init_blocks, local_blocks=local_blocks, out=out, stream=stream)
-    k = _check_int("k", k, 0, _I32_MAX)  # before select_blocks allocates [B, Hkv, k]
+    k = check_int("k", k, 0, _I32_MAX)  # before select_blocks allocates [B, Hkv, k]
     on_device = type(lengths).__module__.startswith("torch") and lengths.is_cuda
     if not on_device:  # host counts are checked here (device ones are clamped by the kernels)
         nwin = _num_windows(lengths, kernel, stride)
@@ -286,8 +277,8 @@ def _ckeys_shape(k_cache, block_table, kernel, stride):
 
 def _run_ckeys(k_cache, block_table, end, start, out, kernel, stride, stream):
     """gvr._C.sparda_compressed_keys: build (start None) into out (allocated when None) or update out."""
-    kernel = _check_int("kernel", kernel, 1, _I32_MAX)
-    stride = _check_int("stride", stride, 1, _I32_MAX)
+    kernel = check_int("kernel", kernel, 1, _I32_MAX)
+    stride = check_int("stride", stride, 1, _I32_MAX)
     fw = framework(k_cache)
     if out is None:  # in k_cache's dtype; an fp8 cache's: bfloat16
         shape = _ckeys_shape(k_cache, block_table, kernel, stride)
@@ -357,8 +348,8 @@ def compressed_keys(k_cache, block_table, lengths=None, *, kernel=32, stride=16,
     """
     if compiling():
         _check_traced_stream(stream, "sparda.compressed_keys")
-        kernel = _check_int("kernel", kernel, 1, _I32_MAX)
-        stride = _check_int("stride", stride, 1, _I32_MAX)
+        kernel = check_int("kernel", kernel, 1, _I32_MAX)
+        stride = check_int("stride", stride, 1, _I32_MAX)
         if k_cache.dim() != 4 or block_table.dim() != 2:
             raise ValueError(f"sparda.compressed_keys: 'k_cache' must be [num_pages, P, Hkv, D] and 'block_table' "
                              f"[B, max_pages], got {list(k_cache.shape)} and {list(block_table.shape)}")
@@ -403,7 +394,7 @@ def matmul_carveout(sms):
         with gvr.sparda.matmul_carveout(4):
             graph.replay()   # layers' matmuls beside the next layer's prefetch
     """
-    sms = _check_int("sms", sms, 0)
+    sms = check_int("sms", sms, 0)
     t = _torch("gvr.sparda.matmul_carveout")
     setter = getattr(t._C, "_set_sm_carveout_experimental", None)
     getter = getattr(t._C, "_get_sm_carveout_experimental", None)
@@ -445,7 +436,7 @@ class HostKVCache:
 
     def __init__(self, num_layers, num_pages, P, Hkv, D, dtype, *, device="cuda", layout="NHD"):
         import numpy as np
-        num_layers, num_pages, P, Hkv, D = (_check_int(name, v, 1, _I32_MAX) for name, v in (
+        num_layers, num_pages, P, Hkv, D = (check_int(name, v, 1, _I32_MAX) for name, v in (
             ("num_layers", num_layers), ("num_pages", num_pages), ("P", P), ("Hkv", Hkv), ("D", D)))
         if layout not in ("NHD", "HND"):
             raise ValueError(f"'layout' must be 'NHD' or 'HND', got {layout!r}")
@@ -597,11 +588,11 @@ def _prefetch_workspace(like, fw, stream, S, indices, block_table, host_k):
 
 def _gather_shape(cta_warps, lane_loads):
     if cta_warps is not None:
-        _check_int("cta_warps", cta_warps, 1)
+        check_int("cta_warps", cta_warps, 1)
         if cta_warps > 8:
             raise ValueError(f"'cta_warps' must be 1..8, got {cta_warps}")
     if lane_loads is not None:
-        _check_int("lane_loads", lane_loads, 1)
+        check_int("lane_loads", lane_loads, 1)
         if lane_loads not in (4, 8, 16):
             raise ValueError(f"'lane_loads' must be 4, 8 or 16, got {lane_loads}")
     return cta_warps or 0, lane_loads or 0
@@ -612,7 +603,7 @@ def _run_prefetch(host_k, host_v, indices, dst_k, dst_v, block_table, resident, 
     if not isinstance(method, str) or method not in _METHODS:
         raise ValueError(f"'method' must be 'auto', 'kernel', 'tma' or 'memcpy', got {method!r}")
     if max_ctas is not None:
-        _check_int("max_ctas", max_ctas, 1)
+        check_int("max_ctas", max_ctas, 1)
     warps, loads = _gather_shape(cta_warps, lane_loads)
     fw = framework(dst_k)
     ds = getattr(dst_k, "shape", None)
@@ -741,7 +732,7 @@ class Prefetcher:
         t = _torch()
         for name, v, lo in (("staging_pages", staging_pages, 1), ("batch", batch, 1), ("max_pages", max_pages, 1),
                             ("entries", entries, 1), ("ctas", ctas, 1), ("depth", depth, 1)):
-            _check_int(name, v, lo)
+            check_int(name, v, lo)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"'timeout_s' must be a number > 0, got {timeout_s!r}")
         warps, loads = _gather_shape(cta_warps, lane_loads)

@@ -314,3 +314,24 @@ def test_traced_calls_survive_imports_on_another_thread():
     finally:
         stop.set()
         th.join()
+
+
+@pytest.mark.parametrize("v, lo, hi, err, msg", [
+    (True, 0, None, TypeError, "'n' must be an int, got bool"),
+    (2.0, 0, None, TypeError, "'n' must be an int, got float"),
+    (np.float32(2), 0, None, TypeError, "'n' must be an int, got float32"),
+    (-1, 0, None, ValueError, "'n' must be >= 0, got -1"),
+    (2**31, 1, 2**31 - 1, ValueError, "'n' must be in [1, 2147483647], got 2147483648"),
+])
+def test_check_int_names_the_argument(v, lo, hi, err, msg):
+    from gvr._interop import check_int
+    with pytest.raises(err) as e:
+        check_int("n", v, lo, hi)
+    assert str(e.value) == msg
+
+
+def test_check_int_takes_numpy_ints_and_gives_python_ints():
+    from gvr._interop import check_int
+    for v in (np.int64(7), np.int32(7), np.uint8(7), 7):
+        r = check_int("n", v, 0, 7)
+        assert r == 7 and type(r) is int
