@@ -179,13 +179,12 @@ constexpr int STAGE_SLOTS = 2;
 template <bool STREAM>
 struct GvrShared {
     static constexpr int W = BinCounts<STREAM>::W;
-    /* this CTA's counts of the current round; streamed verify pass: 4 words behind them (overflow,
-     * pairs, largest key, fullest warp) */
-    /* streamed: 4 more words behind the counts, the verify pass's (overflow, pairs, largest key,
-     * fullest warp), and rows padded to 128-byte multiples: rows of W + 4 words measured slower (H100,
+    /* streamed: rows of W + 32 words, room for the verify pass's 4 words (overflow, pairs, largest
+     * key, fullest warp: words 0-3, or W to W + 3 behind the counts when the pairs were binned before
+     * the exchange) in rows padded to 128-byte multiples: rows of W + 4 words measured slower (H100,
      * B=64 256K 34.0 -> 37.2 us, 128K 24.0 -> 24.6; benchmarks/RESULTS.md, session 22) */
     static constexpr int WX = STREAM ? W + 32 : W;
-    uint32_t hist[WX];                        /* this CTA's counts of the current round */
+    uint32_t hist[WX];                        /* this CTA's counts of the current round (+ the verify words) */
     uint32_t recv[2][GVR_RANKS<STREAM>][WX];  /* every rank's words, double-buffered by round parity */
     uint2 cand[CAND_CAP];                     /* rank 0: (key, index) of the candidates */
     int above[MAX_C];                         /* per rank: elements above Z */
@@ -408,7 +407,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     BinMap map = shift_map(A, Z);
     /* streamed: the verify pass collects the elements >= tc (a value below the guessed k-th); band:
-     * the width of the value band searched below tc when fewer than kk lie above it */
+     * the width of the value band searched below tc when fewer than kk lie above it, and (pre) of
+     * the collected pairs' first bins above it */
     bool verify = false;
     /* streamed, verify: each CTA bins its collected pairs over [tc, tc + band) right after its pass and
      * the bins travel with the verify exchange, so that the first round needs no exchange of its own */
