@@ -26,7 +26,7 @@ __all__ = ["forecast_kl_loss", "forecast_select", "compressed_keys", "update_com
            "Prefetcher", "matmul_carveout"]
 
 
-def _torch(what="gvr.sparda.forecast_kl_loss"):
+def _torch(what="this gvr.sparda call"):
     t = torch_if_loaded()  # (not sys.modules: traced code, torch.compile of the loss, must not read it)
     if t is None:
         try:
@@ -87,7 +87,7 @@ def forecast_kl_loss(q_scores_fine, f_scores, k, *, pool_kernel=32, pool_stride=
     contributes 0). Differentiable in both inputs (S is a constant of the step). Gradient flows to the
     Forecast's logits through every block, the non-selected ones via the rest bucket.
     """
-    torch = _torch()
+    torch = _torch("gvr.sparda.forecast_kl_loss")
     k = check_int("k", k, 1)
     pool_kernel = check_int("pool_kernel", pool_kernel, 1)
     pool_stride = check_int("pool_stride", pool_stride, 1)
