@@ -192,9 +192,7 @@ class EMAPredictor:
                  phi: float = 0.5, device="cpu"):
         self.max_batch = check_int("max_batch", max_batch)
         self.Hkv = check_int("Hkv", Hkv)
-        self.max_blocks = check_int("max_blocks", max_blocks)
-        if self.max_blocks > 2**31 - 1:
-            raise ValueError(f"'max_blocks' must be < 2^31, got {max_blocks}")
+        self.max_blocks = check_int("max_blocks", max_blocks, 1, 2**31 - 1)
         self.set_params(alpha, beta, phi)
         shape = (self.max_batch, self.Hkv, self.max_blocks)
         dev = str(device)

@@ -174,9 +174,7 @@ class SpeculativeAttention:
         if self.Hq % self.Hkv:
             raise ValueError(f"'Hq' must be a multiple of 'Hkv', got Hq={self.Hq}, Hkv={self.Hkv}")
         self.D = check_int("D", D)
-        self.max_blocks = check_int("max_blocks", max_blocks)
-        if self.max_blocks > 2**31 - 1:
-            raise ValueError(f"'max_blocks' must be < 2^31, got {max_blocks}")
+        self.max_blocks = check_int("max_blocks", max_blocks, 1, 2**31 - 1)
         self.block_size = check_int("block_size", block_size)
         self.k = check_int("k", k)
         if isinstance(budget, bool) or not isinstance(budget, Real):
