@@ -5,11 +5,11 @@
 # --profile: -DGVR_PROFILE, for scripts/profile_phases.py). On the device: `gpu_check.sh topkab` /
 # `profile` with the file carried (run's carry=["build/ab_NAME.so.xz"]; 64 MiB in all, ~17 MB each).
 #
-#   bash scripts/variant_lib.sh NAME [--patch PATCH.py] [--profile] [--only 'topk/gvr_*.cu'] [--from DIR]
+#   bash scripts/variant_lib.sh NAME [--patch PATCH.py|PATCH.diff] [--profile] [--only 'topk/gvr_*.cu'] [--from DIR]
 #
 # --from: a tree holding a finished build (default: this checkout; build it once with
 #   GVR_CUDA_ARCHS=90a python setup.py build_ext --inplace, in a copy if the in-place library must not
-#   shadow the CPU-only one); PATCH.py runs in the copy's root (edit kernels/ there).
+#   shadow the CPU-only one); PATCH.py runs in the copy's root (edit kernels/ there); PATCH.diff is applied there with patch -p1.
 # --only: kernels/ paths (glob) to recompile; default topk/gvr_*.cu (all of topk/*.cu with --profile).
 # NVCC_EXTRA: more nvcc flags (e.g. -DGVR_PROF_CTA=1: the profile stamps of rank 1 of row 0's cluster).
 # Objects of other folders must not depend on what the patch changes (headers are not tracked here).
@@ -30,7 +30,11 @@ out=$(pwd -P)/build; mkdir -p "$out"
 objdir=$(ls -d "$from"/build/temp*/gvr_cuda 2>/dev/null | head -1)
 [ -n "$objdir" ] || { echo "no build objects under $from/build (build it once first)"; exit 1; }
 work=$(mktemp -d /tmp/gvr_variant_XXXX); cp -r "$(pwd -P)/kernels" "$work/"
-[ -z "$patch" ] || (cd "$work" && python3 "$patch")
+case $patch in  # a unified diff of kernels/ (a/kernels/..., as git diff writes it), or a script run in the copy
+  "") ;;
+  *.diff) (cd "$work" && patch -p1 -s -i "$patch") ;;
+  *) (cd "$work" && python3 "$patch") ;;
+esac
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 GENCODE="-gencode=arch=compute_90a,code=sm_90a"
 FLAGS="-O3 -std=c++17 -Xcompiler -fPIC,-Wall -Xcompiler -fvisibility=hidden -lineinfo -w -I kernels $GENCODE"
