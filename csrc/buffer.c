@@ -306,11 +306,51 @@ done:
     return cap;
 }
 
+/* A producer's own export function, called in place of __dlpack_device__ + __dlpack__(stream=-1) for
+ * objects of exactly one type when no stream synchronization is asked for: torch.Tensor and
+ * torch._C._to_dlpack_versioned (registered by gvr._interop when torch is loaded). The two protocol
+ * calls cost 3-11 us of host time per tensor in torch's Python code (measured on two H200 hosts and on
+ * the development VM, 2026-11-25), the export itself ~0.6 us; what torch's __dlpack__ checks besides
+ * the stream is either done by gvr's caller (requires_grad: detached) or by gvr's intake (dtype,
+ * strided layout through the export's own error, device). */
+static PyObject *g_export_fn = NULL;
+static PyTypeObject *g_export_type = NULL;
+
+PyObject *gvr_py_set_dlpack_export(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *fn, *type;
+    if (!PyArg_ParseTuple(args, "OO:_set_dlpack_export", &fn, &type))
+        return NULL;
+    if (fn == Py_None || type == Py_None) {
+        Py_CLEAR(g_export_fn);
+        Py_CLEAR(g_export_type);
+        Py_RETURN_NONE;
+    }
+    if (!PyCallable_Check(fn) || !PyType_Check(type)) {
+        PyErr_SetString(PyExc_TypeError, "_set_dlpack_export(fn, type): a callable and a type, or None, None");
+        return NULL;
+    }
+    Py_INCREF(fn);
+    Py_INCREF(type);
+    Py_XSETREF(g_export_fn, fn);
+    Py_XSETREF(g_export_type, (PyTypeObject *)type);
+    Py_RETURN_NONE;
+}
+
 static int from_dlpack(PyObject *obj, int writable, intptr_t stream, gvr_view *v)
 {
     gvr_device dev;
     int dev_id;
     PyObject *stream_obj = NULL, *cap = NULL;
+    if (stream == GVR_STREAM_PRODUCER_CURRENT && g_export_fn && Py_IS_TYPE(obj, g_export_type)) {
+        cap = PyObject_CallOneArg(g_export_fn, obj);
+        if (!cap) {
+            rename_export_error(PyExc_TypeError, v->name, "cannot be exported through DLPack");
+            return -1;
+        }
+        goto consume;
+    }
     if (gvr_object_device(obj, v->name, &dev, &dev_id) < 0)
         return -1;
     /* Stream hand-shake (DLPack): for CUDA producers pass the stream we will use the data on, so
@@ -334,6 +374,7 @@ static int from_dlpack(PyObject *obj, int writable, intptr_t stream, gvr_view *v
         rename_export_error(PyExc_TypeError, v->name, "cannot be exported through DLPack");
         return -1;
     }
+consume:;
     gvr_DLTensor *t;
     if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
         gvr_DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");

@@ -55,6 +55,10 @@ typedef struct {
 int gvr_view_get(PyObject *obj, const char *name, int writable, intptr_t stream, gvr_view *v);
 void gvr_view_release(gvr_view *v);
 
+/* _C._set_dlpack_export(fn, type): objects of exactly `type` on the producer's current stream are
+ * exported by fn(obj) (a DLPack capsule) instead of the protocol's two calls; (None, None) clears. */
+PyObject *gvr_py_set_dlpack_export(PyObject *self, PyObject *args);
+
 /* Device of obj without taking its buffer (for picking the stream). */
 int gvr_object_device(PyObject *obj, const char *name, gvr_device *dev, int *dev_id);
 

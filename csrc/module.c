@@ -142,6 +142,9 @@ static PyMethodDef methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O,
      "Threads for CPU rows: n, or 0 for the default (up to the online CPUs, helpers only for idle ones)."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads used for CPU rows (at most; capped by the rows)."},
+    {"_set_dlpack_export", gvr_py_set_dlpack_export, METH_VARARGS,
+     "_set_dlpack_export(fn, type): objects of exactly this type, on the stream they are used on, are exported "
+     "by fn(obj) -> DLPack capsule (torch: torch._C._to_dlpack_versioned); (None, None) clears."},
     {"cuda_available", py_cuda_available, METH_NOARGS, "Whether libgvr_cuda.so loads."},
     {"cuda_error", py_cuda_error, METH_NOARGS, "Why libgvr_cuda.so does not load (None if it does)."},
     {"cuda_synchronize", py_cuda_synchronize, METH_O, "Wait for a CUDA stream (tests)."},

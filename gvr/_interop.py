@@ -178,7 +178,8 @@ def prepare(fw: str, like, arrays: tuple, stream):
         if not like.is_cuda:
             return tuple(_host_view(a) for a in arrays), stream, 0
         arrays = tuple(_detach(a) for a in arrays)
-        current = _torch_module().cuda.current_stream(like.device).cuda_stream
+        t = _torch_module()
+        current = _raw_stream(like.get_device()) if _raw_stream else t.cuda.current_stream(like.device).cuda_stream
         if stream is None:
             stream = current
         if stream == current:
@@ -265,12 +266,32 @@ def define_op(name: str, schema: str, *, impl: Callable, fake: Callable, mutates
     return spec
 
 
+_raw_stream = None  # torch._C._cuda_getCurrentRawStream once torch is loaded (and has it)
+
+
+def _torch_fast_paths(torch) -> None:
+    """Host time per eager call (measured, H200 host, 2026-11-25: 48 us for topk_decode with prev_topk and out,
+    of which ~6 us per torch tensor went to torch's __dlpack_device__ + __dlpack__ and 5 us to
+    torch.cuda.current_stream): the current stream's handle from torch's C function, and torch.Tensor's
+    DLPack export by torch._C._to_dlpack_versioned when no stream synchronization is needed (gvr._C
+    calls it in place of the two protocol methods). Either missing (another torch version): the
+    protocol, as before."""
+    global _raw_stream
+    from . import _C
+
+    tc = getattr(torch, "_C", None)
+    _raw_stream = getattr(tc, "_cuda_getCurrentRawStream", None)
+    export = getattr(tc, "_to_dlpack_versioned", None)
+    _C._set_dlpack_export(export, torch.Tensor if export is not None else None)
+
+
 def register_torch_ops() -> None:
     """Register every declared operator with torch.library (idempotent; imports torch)."""
     global _torch, _error
     import torch
 
     _torch = torch
+    _torch_fast_paths(torch)
     for spec in _SPECS.values():
         if spec.op is not None:
             continue

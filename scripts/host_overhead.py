@@ -59,6 +59,19 @@ def main(argv=None):
             "x.__dlpack__(stream=-1)": lambda: x.__dlpack__(stream=-1),
             "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream(x.device).cuda_stream,
         })
+        # the wrapper's parts: its Python (prepare) and gvr._C with the arrays prepare returns
+        from gvr import _interop
+
+        arrs = (x, prev, None, out, None, None, None)
+        prep, st, ns = _interop.prepare("torch", x, arrs, None)
+        cases.update({
+            "gvr._interop.prepare(torch, x, (x, prev, out))": lambda: _interop.prepare("torch", x, arrs, None),
+            "gvr._C.topk_decode(prepared x, prev, out)": lambda: gvr._C.topk_decode(
+                prep[0], k, prep[1], None, prep[3], False, st, "auto", ns, None, None, None, None, None, None),
+            "gvr._C.topk_decode(prepared x, out)": lambda: gvr._C.topk_decode(
+                prep[0], k, None, None, prep[3], False, st, "auto", ns, None, None, None, None, None, None),
+            "prev.__dlpack__(stream=-1)": lambda: prev.__dlpack__(stream=-1),
+        })
     else:
         xn, pn, on = x.numpy(), prev.numpy(), out.numpy()
         cases["gvr._C.topk_decode(NumPy views, out) (floor)"] = \

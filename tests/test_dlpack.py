@@ -346,3 +346,69 @@ def test_cupy_inputs():
     r = topk(xd, k, sorted=True)
     assert isinstance(r, cupy.ndarray) and r.dtype == cupy.int32
     assert np.array_equal(cupy.asnumpy(r), expected_result(x, k))
+
+
+# --------------------------------------------------------------------------------------------
+# torch.Tensor's direct export (gvr._C._set_dlpack_export): taken for arguments whose nosync bit is
+# set (on the stream they are used on; CUDA tensors in the wrappers), the protocol otherwise
+# --------------------------------------------------------------------------------------------
+def _c_topk(x, k, out, nosync, prev=None):
+    return gvr._C.topk_decode(x, k, prev, None, out, False, None, "auto", nosync, None, None, None, None, None, None)
+
+
+def test_torch_direct_export_equals_the_protocol():
+    torch = pytest.importorskip("torch")
+    from gvr import _interop
+
+    _interop.register_torch_ops()
+    g = torch.Generator().manual_seed(3)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(3, 900, generator=g).to(dt)
+        x[1, ::7] = float("nan")
+        prev = torch.randint(0, 900, (3, 20), generator=g, dtype=torch.int32)
+        want = torch.full((3, 20), -3, dtype=torch.int32)
+        got = torch.full((3, 20), -3, dtype=torch.int32)
+        _c_topk(x, 20, want, 0, prev)  # __dlpack__ for every argument
+        before = (x.clone(), prev.clone())
+        _c_topk(x, 20, got, 0b1011, prev)  # scores, prev_topk and out exported directly
+        assert torch.equal(want, got), dt
+        # nothing passed in is modified (bit for bit: the rows hold NaN)
+        assert torch.equal(before[0].view(torch.uint8), x.view(torch.uint8)) and torch.equal(before[1], prev)
+        xn = x.float().numpy()
+        assert np.array_equal(np.sort(got.numpy(), axis=1), np.sort(expected_result(xn, 20), axis=1))
+
+
+def test_torch_direct_export_is_used_only_with_the_nosync_bit():
+    torch = pytest.importorskip("torch")
+    from gvr import _interop
+
+    _interop.register_torch_ops()
+    export = getattr(torch._C, "_to_dlpack_versioned", None)
+    if export is None:
+        pytest.skip("this torch has no torch._C._to_dlpack_versioned")
+    seen = []
+
+    def spy(t):
+        seen.append(t.shape)
+        return export(t)
+
+    x = torch.randn(2, 500, dtype=torch.bfloat16)
+    out = torch.empty(2, 8, dtype=torch.int32)
+    try:
+        gvr._C._set_dlpack_export(spy, torch.Tensor)
+        _c_topk(x, 8, out, 0)
+        assert seen == []
+        _c_topk(x, 8, out, 0b1000)  # out only
+        assert seen == [torch.Size([2, 8])]
+        # a subclass is not the registered type: the protocol
+        _c_topk(torch.nn.Parameter(x.float(), requires_grad=False), 8, out, 0b0001)
+        assert len(seen) == 1
+        # the export's own error names the argument
+        with pytest.raises(TypeError, match="'scores' cannot be exported"):
+            _c_topk(x.to_sparse(), 8, out, 0b0001)
+        with pytest.raises(TypeError, match="_set_dlpack_export"):
+            gvr._C._set_dlpack_export(1, torch.Tensor)
+    finally:
+        _interop._torch_fast_paths(torch)
+    base, after = _refcount_stable(x, lambda: _c_topk(x, 8, out, 0b1001), reps=100)
+    assert after == base, f"refcount {base} -> {after}"
