@@ -220,6 +220,34 @@ class CudaTimer:
         torch.cuda.synchronize()
         return summarize([s.elapsed_time(e) * 1e-3 for s, e in zip(st, en)])
 
+    def events_interleaved(self, fns, reps=50, *, cold=False, warmup=2) -> list:
+        """``events`` for several callables, taken in turns (rep 1 of each, then rep 2, ...; each turn
+        starting one callable later, and no synchronization until the end), so that a drift of the GPU's
+        clocks or of the host's load over the run, or a slow first call after an idle GPU, reaches every
+        callable alike. (Timed one after another, cold gvr+prev -- under method "auto" the same kernel
+        as gvr -- measured 1.3-4x gvr in a third of the H100 hint sweep's cells, 2026-11-25; in turns
+        that each began with it after a synchronization, still up to 1.6x.) One summary per callable,
+        in order."""
+        torch = self.torch
+        n = len(fns)
+        for fn in fns:
+            for _ in range(warmup):
+                fn()
+        torch.cuda.synchronize()
+        st, en = self._event_pairs(reps * n)
+        for r in range(reps):
+            for q in range(n):
+                j = (r + q) % n
+                i = r * n + j
+                self._sleep()
+                if cold:
+                    self.flush_l2()
+                st[i].record()
+                fns[j]()
+                en[i].record()
+        torch.cuda.synchronize()
+        return [summarize([st[r * n + j].elapsed_time(en[r * n + j]) * 1e-3 for r in range(reps)]) for j in range(n)]
+
     def capture(self, fn, calls=10, warmup=3):
         """A CUDA graph of ``calls`` back-to-back calls of ``fn``, captured on a side stream (after
         ``warmup`` eager calls there). Raises GraphCaptureError."""
