@@ -49,6 +49,7 @@
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
+#   topkfloor  scripts/topk_floor.py: minimal kernels of the B=1 / B=64 128K Top-K grids (read, exchange, output) vs gvr
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 4K, 8K tokens); planncu: on the prefetch's plan kernel
 #   floor    scripts/latency_floor.py: minimal kernels of the B=1 cells' grids and memory chains vs gvr (CuPy)
 #   bench    the full benchmarks: benchmarks/bench_topk.py --device cuda -> $OUT/bench_cuda.json, .md;
@@ -516,6 +517,11 @@ floor() {  # the B=1 attention cells' floors: empty / load-chain / chain + merge
   (cd /tmp && timeout 400 $PY "$ROOT/scripts/latency_floor.py" --json "$OUT/latency_floor.json") 2>&1 | tee "$OUT/latency_floor.log" | tail -10
 }
 
+topkfloor() {  # issue 15's goal cells: empty / read / read + exchange / + output kernels of gvr's grids beside gvr
+  say "top-k floor (B=1 and B=64 at 128K)"
+  (cd /tmp && timeout 300 $PY "$ROOT/scripts/topk_floor.py" --json "$OUT/topk_floor.json") 2>&1 | tee "$OUT/topk_floor.log" | tail -10
+}
+
 build
 for mode in "${@:-check}"; do
   case $mode in
@@ -528,6 +534,7 @@ for mode in "${@:-check}"; do
     ncu) ncu_b1 ;;
     planncu) planncu ;;
     floor) floor ;;
+    topkfloor) topkfloor ;;
     prrbench) prrbench ;;
     prrprof) prrprof ;;
     prrlayers) prrlayers ;;
