@@ -426,7 +426,7 @@ def run_cuda(gvr, args, meta, grid):
     meta["warm_timing"] = (f"CUDA graph of {args.graph_calls} back-to-back calls captured on a side stream, replayed; "
                            f"per-call = replay time / {args.graph_calls}; median over replays")
     meta["cold_timing"] = (f"eager, CUDA events around each call, {timer.flush_bytes >> 20} MB written before each call, "
-                           "the cell's methods and step pairs timed in turns")
+                           "the cell's methods and step pairs timed in turns, each in a random order")
     sizes, batches = grid
     pool = args.pool or (2 if args.quick else 4)
     meta["pool"] = pool

@@ -322,13 +322,13 @@ PyObject *gvr_py_set_dlpack_export(PyObject *self, PyObject *args)
     PyObject *fn, *type;
     if (!PyArg_ParseTuple(args, "OO:_set_dlpack_export", &fn, &type))
         return NULL;
-    if (fn == Py_None || type == Py_None) {
+    if (fn == Py_None && type == Py_None) {
         Py_CLEAR(g_export_fn);
         Py_CLEAR(g_export_type);
         Py_RETURN_NONE;
     }
     if (!PyCallable_Check(fn) || !PyType_Check(type)) {
-        PyErr_SetString(PyExc_TypeError, "_set_dlpack_export(fn, type): a callable and a type, or None, None");
+        PyErr_SetString(PyExc_TypeError, "_set_dlpack_export(fn, type): a callable and a type, or None and None");
         return NULL;
     }
     Py_INCREF(fn);
@@ -344,7 +344,9 @@ static int from_dlpack(PyObject *obj, int writable, intptr_t stream, gvr_view *v
     int dev_id;
     PyObject *stream_obj = NULL, *cap = NULL;
     if (stream == GVR_STREAM_PRODUCER_CURRENT && g_export_fn && Py_IS_TYPE(obj, g_export_type)) {
-        cap = PyObject_CallOneArg(g_export_fn, obj);
+        PyObject *fn = Py_NewRef(g_export_fn); /* (the call may run code that registers another) */
+        cap = PyObject_CallOneArg(fn, obj);
+        Py_DECREF(fn);
         if (!cap) {
             rename_export_error(PyExc_TypeError, v->name, "cannot be exported through DLPack");
             return -1;

@@ -220,14 +220,14 @@ class CudaTimer:
         torch.cuda.synchronize()
         return summarize([s.elapsed_time(e) * 1e-3 for s, e in zip(st, en)])
 
-    def events_interleaved(self, fns, reps=50, *, cold=False, warmup=2) -> list:
-        """``events`` for several callables, taken in turns (rep 1 of each, then rep 2, ...; each turn
-        starting one callable later, and no synchronization until the end), so that a drift of the GPU's
-        clocks or of the host's load over the run, or a slow first call after an idle GPU, reaches every
-        callable alike. (Timed one after another, cold gvr+prev -- under method "auto" the same kernel
-        as gvr -- measured 1.3-4x gvr in a third of the H100 hint sweep's cells, 2026-11-25; in turns
-        that each began with it after a synchronization, still up to 1.6x.) One summary per callable,
-        in order."""
+    def events_interleaved(self, fns, reps=50, *, cold=False, warmup=2, seed=0) -> list:
+        """``events`` for several callables, taken in turns (rep 1 of each, then rep 2, ...; each turn in
+        a new random order, seeded, and no synchronization until the end), so that a drift of the GPU's
+        clocks or of the host's load over the run, and whatever a call leaves to the one after it, reach
+        every callable alike. (Timed one method after another, or in turns that each began with it,
+        cold gvr+prev -- under method "auto" the same kernel as gvr -- measured 1.0-3.4x gvr on the H100,
+        2026-11-25; in turns of a fixed order with a rotating start 0.99-1.42x on an H200.) One summary
+        per callable, in order."""
         torch = self.torch
         n = len(fns)
         for fn in fns:
@@ -235,10 +235,10 @@ class CudaTimer:
                 fn()
         torch.cuda.synchronize()
         st, en = self._event_pairs(reps * n)
+        rng = np.random.default_rng(seed)
         for r in range(reps):
-            for q in range(n):
-                j = (r + q) % n
-                i = r * n + j
+            for j in rng.permutation(n):
+                i = r * n + int(j)
                 self._sleep()
                 if cold:
                     self.flush_l2()

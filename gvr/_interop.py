@@ -282,7 +282,11 @@ def _torch_fast_paths(torch) -> None:
     tc = getattr(torch, "_C", None)
     _raw_stream = getattr(tc, "_cuda_getCurrentRawStream", None)
     export = getattr(tc, "_to_dlpack_versioned", None)
-    _C._set_dlpack_export(export, torch.Tensor if export is not None else None)
+    try:  # registered only if it takes a tensor alone and returns an unused versioned capsule
+        ok = export is not None and '"dltensor_versioned"' in repr(export(torch.empty(1)))
+    except Exception:
+        ok = False
+    _C._set_dlpack_export(export if ok else None, torch.Tensor if ok else None)
 
 
 def register_torch_ops() -> None:

@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(T) floor_kernel(const float *__restrict__ x, l
         if (MODE >= 2) {
             if (t < W)
                 mine[t] = 0u;
+            __syncthreads(); /* the zeros before any warp's atomicAdd below */
             cl_arrive_relaxed(); /* the peers' shared memory is theirs from here (waited before the pushes) */
         }
         const float4 *xr = reinterpret_cast<const float4 *>(x + row * stride + (long long)rank * S);
@@ -188,11 +189,17 @@ def build(workdir):
     return so
 
 
+# gvr's cluster size (CTAs per row) for the cells whose plans were profiled on the H100 (session 23's
+# phase stamps: 16 CTAs for B=1 128K, 128 for B=64 128K); other cells need their plan from
+# kernels/topk/topk.cu (plan_gvr) added here first
+PLANS = {(131072, 1): 16, (131072, 64): 2}
+
+
 def plan_c(n, b):
-    """gvr's cluster size for the cell (kernels/topk/topk.cu's plan on the H100, as profiled)"""
-    if b >= 64 and n >= 65536:  # streamed: chunks of 8192 positions, up to 8 chunks per CTA
-        return max(1, min(8, -(-n // (8 * 8192))))
-    return min(16, -(-n // (THREADS * 4 * 4)))  # register tile, 4 float4s per thread
+    if (n, b) not in PLANS:
+        raise SystemExit(f"topk_floor.py: no recorded plan for N={n} B={b} (known: "
+                         + ", ".join(f"{k[0]}x{k[1]}" for k in PLANS) + ")")
+    return PLANS[(n, b)]
 
 
 def main(argv=None):
