@@ -205,20 +205,7 @@ class CudaTimer:
 
     def events(self, fn, reps=50, *, cold=False, warmup=2) -> dict:
         """Eager calls between CUDA events; cold: L2 flushed before each call."""
-        torch = self.torch
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        st, en = self._event_pairs(reps)
-        for i in range(reps):
-            self._sleep()
-            if cold:
-                self.flush_l2()
-            st[i].record()
-            fn()
-            en[i].record()
-        torch.cuda.synchronize()
-        return summarize([s.elapsed_time(e) * 1e-3 for s, e in zip(st, en)])
+        return self.events_interleaved([fn], reps, cold=cold, warmup=warmup)[0]
 
     def events_interleaved(self, fns, reps=50, *, cold=False, warmup=2, seed=0) -> list:
         """``events`` for several callables, taken in turns (rep 1 of each, then rep 2, ...; each turn in

@@ -267,6 +267,7 @@ def define_op(name: str, schema: str, *, impl: Callable, fake: Callable, mutates
 
 
 _raw_stream = None  # torch._C._cuda_getCurrentRawStream once torch is loaded (and has it)
+_fast_paths_set = False  # _torch_fast_paths ran (once per process: register_torch_ops runs per declared op)
 
 
 def _torch_fast_paths(torch) -> None:
@@ -276,8 +277,10 @@ def _torch_fast_paths(torch) -> None:
     DLPack export by torch._C._to_dlpack_versioned when no stream synchronization is needed (gvr._C
     calls it in place of the two protocol methods). Either missing (another torch version): the
     protocol, as before."""
-    global _raw_stream
+    global _raw_stream, _fast_paths_set
     from . import _C
+
+    _fast_paths_set = True
 
     tc = getattr(torch, "_C", None)
     _raw_stream = getattr(tc, "_cuda_getCurrentRawStream", None)
@@ -295,7 +298,8 @@ def register_torch_ops() -> None:
     import torch
 
     _torch = torch
-    _torch_fast_paths(torch)
+    if not _fast_paths_set:
+        _torch_fast_paths(torch)
     for spec in _SPECS.values():
         if spec.op is not None:
             continue
