@@ -10,7 +10,7 @@ a rebuild in the same tree (a second pip install, build_ext --inplace after edit
 compiles only what changed.
 
 Knobs: GVR_CUDA_ARCHS (default "90a;100a": Hopper and Blackwell machine code, plus PTX of the last
-for newer chips), GVR_SKIP_CUDA=1, GVR_REQUIRE_CUDA=1 (fail the build when the kernels do not build),
+for newer chips; GVR_CUDA_PTX=0 leaves that PTX out), GVR_SKIP_CUDA=1, GVR_REQUIRE_CUDA=1 (fail the build when the kernels do not build),
 GVR_WERROR=1 (warnings are errors; CI sets it), GVR_BUILD_JOBS, CUDA_HOME; GVR_PROFILE=1 (debug only:
 kernels with phase stamps, read by scripts/profile_phases.py).
 """
@@ -57,12 +57,15 @@ def find_nvcc():
     return None
 
 
-def cuda_gencode(archs):
+def cuda_gencode(archs, ptx=True):
+    """nvcc's -gencode flags: machine code for each arch, plus (ptx) the last arch's PTX, without its
+    arch-specific suffix, for newer chips to JIT-compile. The PTX is a second front-end pass over every
+    file (about 30% of a build on 2 cores), so CI, which has no GPU, leaves it out (GVR_CUDA_PTX=0)."""
     flags = []
     archs = [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
     for a in archs:
         flags.append(f"-gencode=arch=compute_{a},code=sm_{a}")
-    if archs:
+    if archs and ptx:
         last = archs[-1].rstrip("af")
         flags.append(f"-gencode=arch=compute_{last},code=compute_{last}")
     return archs, flags
@@ -136,7 +139,10 @@ class BuildExt(build_ext):
         if not sources:
             say(False, "CUDA kernels skipped: no kernels/**/*.cu")
             return
-        archs, gencode = cuda_gencode(os.environ.get("GVR_CUDA_ARCHS", "90a;100a"))
+        ptx = os.environ.get("GVR_CUDA_PTX", "1")
+        if ptx not in ("0", "1"):
+            raise SystemExit(f"GVR_CUDA_PTX must be 0 or 1, got {ptx!r}")
+        archs, gencode = cuda_gencode(os.environ.get("GVR_CUDA_ARCHS", "90a;100a"), ptx == "1")
         werror = ["-Werror=all-warnings"] if os.environ.get("GVR_WERROR") == "1" else ["-w"]
         # GVR_PROFILE=1: a debug library with the kernels' phase stamps (scripts/profile_phases.py)
         profile = ["-DGVR_PROFILE"] if os.environ.get("GVR_PROFILE") == "1" else []
@@ -220,7 +226,7 @@ class BuildExt(build_ext):
             if os.environ.get("GVR_REQUIRE_CUDA") == "1":
                 raise SystemExit("GVR_REQUIRE_CUDA=1 and the CUDA kernels did not build")
             return
-        say(True, f"CUDA kernels for {', '.join('sm_' + a for a in archs)} -> gvr/_lib/libgvr_cuda.so "
+        say(True, f"CUDA kernels for {', '.join('sm_' + a for a in archs)}{' + PTX' if ptx == '1' else ''} -> gvr/_lib/libgvr_cuda.so "
                   f"({n} objects, {len(todo)} compiled, {time.time() - t0:.0f} s)")
 
 
