@@ -49,6 +49,7 @@
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
+#   topkncu  Nsight Compute (full set, SASS stall samples, warm L2) on the GVR Top-K kernel: NCU_CELLS="N B,..." (default 131072 64)
 #   topkfloor  scripts/topk_floor.py: minimal kernels of the B=1 / B=64 128K Top-K grids (read, exchange, output) vs gvr
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 4K, 8K tokens); planncu: on the prefetch's plan kernel
 #   floor    scripts/latency_floor.py: minimal kernels of the B=1 cells' grids and memory chains vs gvr (CuPy)
@@ -512,6 +513,44 @@ for r in sorted(body, key=lambda r: -float(r[samp] or 0))[:25]:
 PYEOF
 }
 
+topkncu() {  # Nsight Compute on the GVR Top-K kernel, warm L2 (cache control none), per cell of NCU_CELLS ("N B,...")
+  local cell n b
+  for cell in $(echo "${NCU_CELLS:-131072 64}" | tr ',' '\n' | tr ' ' 'x'); do
+    n=${cell%x*}; b=${cell#*x}
+    say "ncu topk gvr kernel N=$n B=$b"
+    (cd /tmp && timeout 200 ncu -k regex:gvr_topk_gvr_kernel --launch-skip 3 --launch-count 1 --set full --import-source yes \
+      --cache-control none -o "$OUT/topk_${n}_$b" $PY "$ROOT/scripts/topk_ncu.py" --n "$n" --b "$b") > "$OUT/ncu_topk_${n}_$b.log" 2>&1
+    echo "exit $?"
+    ncu -i "$OUT/topk_${n}_$b.ncu-rep" --page details > "$OUT/ncu_topk_${n}_${b}_details.txt" 2>&1
+    grep -E "Duration|Elapsed Cycles|Registers|Achieved Occupancy|Stall|Warp Cycles Per Issued|Issued Warp|No Eligible|Executed Ipc|L2 Cache Throughput|DRAM Throughput|Memory Throughput" "$OUT/ncu_topk_${n}_${b}_details.txt" | head -30
+    ncu -i "$OUT/topk_${n}_$b.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_topk_${n}_${b}_sass.csv" 2>&1
+    sass_top "$OUT/ncu_topk_${n}_${b}_sass.csv"
+    ncu -i "$OUT/topk_${n}_$b.ncu-rep" --page source --csv --print-source cuda > "$OUT/ncu_topk_${n}_${b}_cuda.csv" 2>&1
+    sass_top "$OUT/ncu_topk_${n}_${b}_cuda.csv"
+  done
+}
+
+sass_top() {  # the 40 SASS lines with the most warp-stall samples of an ncu source CSV, with their share
+  $PY - "$1" <<'PYEOF'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+hdr = next((i for i, r in enumerate(rows) if "Source" in r), None)
+if hdr is None:
+    print("no source table"); sys.exit()
+h = rows[hdr]
+col = lambda name: next((i for i, c in enumerate(h) if c.startswith(name)), None)
+src, samp, addr = col("Source"), col("Warp Stall Sampling (All"), col("Address")
+if samp is None:
+    print("columns:", h[:30]); sys.exit()
+print("columns:", [c for c in h if "Stall" in c or "stall" in c][:12])
+body = [r for r in rows[hdr + 1:] if len(r) > max(src, samp)]
+tot = sum(float(r[samp] or 0) for r in body) or 1
+print(f"{len(body)} SASS lines, {tot:.0f} samples")
+for r in sorted(body, key=lambda r: -float(r[samp] or 0))[:40]:
+    print(f"{100 * float(r[samp] or 0) / tot:5.1f}%  {r[addr] if addr is not None else ''}  {r[src][:120]}")
+PYEOF
+}
+
 floor() {  # the B=1 attention cells' floors: empty / load-chain / chain + merge kernels beside gvr
   say "latency floor (B=1 cells)"
   (cd /tmp && timeout 400 $PY "$ROOT/scripts/latency_floor.py" --json "$OUT/latency_floor.json") 2>&1 | tee "$OUT/latency_floor.log" | tail -10
@@ -535,6 +574,7 @@ for mode in "${@:-check}"; do
     planncu) planncu ;;
     floor) floor ;;
     topkfloor) topkfloor ;;
+    topkncu) topkncu ;;
     prrbench) prrbench ;;
     prrprof) prrprof ;;
     prrlayers) prrlayers ;;

@@ -19,6 +19,17 @@ S = N / C positions: gvr's plans, B=1 128K: C = 16, B=64 128K: C = 2):
   +out      the same, then the row's k indices written (each rank k / C of them)
   gvr       gvr.topk_decode(x, k, method="gvr") (the GVR kernel forced; what method="auto" picks here)
 
+and the streamed verify pass's pieces alone (same grid, no exchange; chunks of 8192 positions, each
+thread its own four 16-byte vectors of a chunk, as gvr's streamed kernel):
+
+  ring          cp.async copies into a ring of 2 chunk slots in shared memory (per-thread waits, no
+                barrier), read back, counted (gvr's staging)
+  read+collect  `read`'s loads (two chunks per thread in flight) + gvr's collection: per chunk a bit
+                mask of the values >= a threshold with ~1.15k above it, a warp scan, the (key, index)
+                pairs at consecutive slots of the warp's shared-memory segment
+  ring+collect  the ring + the same collection (gvr's verify pass without the guess and the exchange)
+  ring+collect(4)  the same with 4 slots
+
 The kernels are compiled here with nvcc (-arch sm_90a by default, GVR_FLOOR_ARCH) into a temporary
 shared library and launched through ctypes with cudaLaunchKernelEx's cluster attribute. Not a test, not a
 benchmark of gvr; needs torch, nvcc and a CUDA device of compute capability 9.0 or later.
@@ -39,11 +50,115 @@ import _harness as H  # noqa: E402
 
 THREADS = 512
 KINDS = ("empty", "read", "+count", "+round", "+out")
+# the streamed pass's pieces alone (no exchange; modes 5-8): how gvr's verify pass reads and collects
+PASS_KINDS = ("ring", "read+collect", "ring+collect", "ring+collect(4)")
 
 SRC = r"""
 #include <cuda_runtime.h>
+#include <cuda_pipeline_primitives.h>
 #include <math.h>
 constexpr int T = 512, W = 256, MAXC = 16;
+constexpr int P4 = T * 4;     /* float4 per chunk (8192 floats, gvr's streamed chunk) */
+constexpr int SEG_CAP = 512;  /* pairs per warp segment */
+constexpr int PASS_DYN = 4 * P4 * 16 + (T / 32) * SEG_CAP * 8; /* a ring of up to 4 chunk slots + the segments */
+
+/* gvr's verify-pass collection of one chunk's 16 values per thread (vectors j = 0..3 at float4 index
+ * vbase + j * T + t): a bit mask of those >= thr, a warp scan of the counts, each thread's pairs at
+ * consecutive slots of its warp's segment */
+__device__ __forceinline__ void collect16(const float4 (&v)[4], int vbase, float thr, uint2 *seg, int &wcount,
+                                          unsigned &kmax)
+{
+    const int t = threadIdx.x, lane = t & 31;
+    const float *f = reinterpret_cast<const float *>(v);
+    unsigned cm = 0u;
+#pragma unroll
+    for (int q = 0; q < 16; q++)
+        cm |= (f[q] >= thr ? 1u : 0u) << q;
+    const int n = __popc(cm);
+    int incl = n;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o)
+            incl += y;
+    }
+    if (cm) {
+        int pos = wcount + incl - n;
+#pragma unroll
+        for (int q = 0; q < 16; q++)
+            if ((cm >> q) & 1u) {
+                const unsigned key = __float_as_uint(f[q]) ^ 0x80000000u;
+                if (pos < SEG_CAP)
+                    seg[pos] = make_uint2(key, (unsigned)((vbase + (q >> 2) * T + t) * 4 + (q & 3)));
+                kmax = key > kmax ? key : kmax;
+                pos++;
+            }
+    }
+    wcount += __shfl_sync(0xFFFFFFFFu, incl, 31);
+}
+
+/* MODE 5 ring (gvr's staging: cp.async of each thread's own 16-byte vectors into a ring of NS chunk slots,
+ * per-thread waits, no barrier) counting >= thr; 6 16-byte loads (8 per thread in flight, as `read`) +
+ * collect16; 7 the ring (2 slots) + collect16 (gvr's verify pass without the guess and the exchange);
+ * 8 the same with 4 slots */
+template <int MODE>
+__global__ void __launch_bounds__(T, 1) pass_kernel(const float *__restrict__ x, long long stride, int C, int S,
+                                                    float thr, unsigned *acc)
+{
+    extern __shared__ __align__(16) float4 dyn[];
+    constexpr int NS = MODE == 8 ? 4 : 2;
+    const int row = blockIdx.x / C, rank = blockIdx.x % C, t = threadIdx.x, warp = t >> 5;
+    const float4 *xr = reinterpret_cast<const float4 *>(x + row * stride + (long long)rank * S);
+    float4 *ring = dyn;
+    uint2 *seg = reinterpret_cast<uint2 *>(dyn + 4 * P4) + warp * SEG_CAP;
+    const int nch = S / (4 * P4);
+    unsigned cnt = 0u, kmax = 0u;
+    int wcount = 0;
+    auto copy = [&](int c) {
+        if (c < nch)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                __pipeline_memcpy_async(ring + (c % NS) * P4 + j * T + t, xr + c * P4 + j * T + t, 16);
+        __pipeline_commit();
+    };
+    if constexpr (MODE == 6) {
+        for (int base = 0; base < nch * P4; base += 2 * P4) {
+            float4 v[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    v[h][j] = __ldg(xr + base + h * P4 + j * T + t);
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                collect16(v[h], base + h * P4, thr, seg, wcount, kmax);
+        }
+    } else {
+        for (int c = 0; c < NS; c++)
+            copy(c);
+        for (int c = 0; c < nch; c++) {
+            __pipeline_wait_prior(NS - 1);
+            asm volatile("" ::: "memory");
+            float4 v[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                v[j] = ring[(c % NS) * P4 + j * T + t];
+            if constexpr (MODE == 5) {
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    cnt += (v[j].x >= thr) + (v[j].y >= thr) + (v[j].z >= thr) + (v[j].w >= thr);
+            } else {
+                collect16(v, c * P4, thr, seg, wcount, kmax);
+            }
+            copy(c + NS);
+        }
+        __pipeline_wait_prior(0);
+    }
+    cnt += (unsigned)wcount + kmax;
+    cnt = __reduce_add_sync(0xFFFFFFFFu, cnt);
+    if ((t & 31) == 0)
+        atomicAdd(acc + blockIdx.x, cnt);
+}
 
 __device__ __forceinline__ unsigned peer_addr(const void *p, int r)
 {
@@ -158,6 +273,27 @@ static int launch(const float *x, long long stride, int B, int C, int S, float t
     return (int)cudaLaunchKernelEx(&cfg, floor_kernel<MODE>, x, stride, C, S, thr, acc, out, k);
 }
 
+template <int MODE>
+static int launch_pass(const float *x, long long stride, int B, int C, int S, float thr, unsigned *acc, cudaStream_t s)
+{
+    cudaFuncSetAttribute(pass_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, PASS_DYN);
+    if (C > 8)
+        cudaFuncSetAttribute(pass_kernel<MODE>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(B * C);
+    cfg.blockDim = dim3(T);
+    cfg.dynamicSmemBytes = PASS_DYN;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = C;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    return (int)cudaLaunchKernelEx(&cfg, pass_kernel<MODE>, x, stride, C, S, thr, acc);
+}
+
 extern "C" int floor_launch(int mode, const float *x, long long stride, int B, int C, int S, float thr,
                             unsigned *acc, int *out, int k, void *stream)
 {
@@ -167,6 +303,10 @@ extern "C" int floor_launch(int mode, const float *x, long long stride, int B, i
     case 1: return launch<1>(x, stride, B, C, S, thr, acc, out, k, s);
     case 2: return launch<2>(x, stride, B, C, S, thr, acc, out, k, s);
     case 3: return launch<3>(x, stride, B, C, S, thr, acc, out, k, s);
+    case 5: return launch_pass<5>(x, stride, B, C, S, thr, acc, s);
+    case 6: return launch_pass<6>(x, stride, B, C, S, thr, acc, s);
+    case 7: return launch_pass<7>(x, stride, B, C, S, thr, acc, s);
+    case 8: return launch_pass<8>(x, stride, B, C, S, thr, acc, s);
     default: return launch<4>(x, stride, B, C, S, thr, acc, out, k, s);
     }
 }
@@ -228,12 +368,16 @@ def main(argv=None):
             tr = list(data.decode_trace(n, 2, k=a.k, overlap=0.45, seed=1))
             x = torch.from_numpy(np.tile(tr[1][:n], (b, 1))).cuda()
             thr = float(np.partition(tr[1][:n], n - 4 * a.k)[n - 4 * a.k])  # ~4k above it, as gvr's pass
+            # the collecting modes: ~1.15k at or above it, as gvr's verify pass's threshold
+            kc = int(1.15 * a.k)
+            thr_c = float(np.partition(tr[1][:n], n - kc)[n - kc])
             acc = torch.zeros(b * C, dtype=torch.int32, device="cuda")
             out = torch.empty((b, a.k), dtype=torch.int32, device="cuda")
 
             def floor(mode):
                 def f():
-                    rc = so.floor_launch(mode, x.data_ptr(), x.stride(0), b, C, S, thr, acc.data_ptr(), out.data_ptr(),
+                    rc = so.floor_launch(mode, x.data_ptr(), x.stride(0), b, C, S, thr if mode < 5 else thr_c,
+                                         acc.data_ptr(), out.data_ptr(),
                                          a.k, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
                     if rc:
                         raise RuntimeError(f"floor_launch({mode}) -> cudaError {rc}")
@@ -242,10 +386,16 @@ def main(argv=None):
             r = {"n": n, "b": b, "c": C, "k": a.k, "mb": x.numel() * 4 / 2**20}
             for mode, name in enumerate(KINDS):
                 r[name] = timer.graph(floor(mode), a.calls, a.replays)["median_us"]
+            if S % (4 * THREADS * 4) == 0:  # whole chunks per CTA (the pass modes' loops)
+                for mode, name in enumerate(PASS_KINDS, 5):
+                    r[name] = timer.graph(floor(mode), a.calls, a.replays)["median_us"]
             r["gvr"] = timer.graph(lambda: gvr.topk_decode(x, a.k, out=out, method="gvr"), a.calls, a.replays)["median_us"]
             rows.append(r)
             print(f"N={n} B={b} (clusters of {C}, {r['mb']:.1f} MB): " +
                   "  ".join(f"{name} {r[name]:.2f}" for name in KINDS + ("gvr",)) + " us", flush=True)
+            if "ring" in r:
+                print("  the pass's pieces alone: " + "  ".join(f"{name} {r[name]:.2f}" for name in PASS_KINDS) + " us",
+                      flush=True)
     if a.json:
         H.write_json(a.json, {"meta": meta, "rows": rows})
         print(f"# wrote {a.json}")

@@ -268,6 +268,17 @@ struct RowTile {
         }
     }
 
+    /* load_staged of P positions that all lie in the row */
+    template <typename T>
+    __device__ __forceinline__ void load_staged_whole(const T *row, int len, int first, const T *stage)
+    {
+        L = len;
+        base = first - row_shift(row);
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+            Elem<T>::lds4(stage + (j * THREADS + (int)threadIdx.x) * 4, &key[4 * j]);
+    }
+
     __device__ __forceinline__ void convert()
     {
 #pragma unroll

@@ -27,7 +27,9 @@
  *    first round spreads 254 bins evenly in value over center +- spread, one bin below, one above
  *    (the bin above the band is counted in registers: it can hold many elements).
  *  - Streamed rows: the verify pass reads the chunks from a shared-memory ring that asynchronous
- *    copies fill up to STAGE_SLOTS chunks ahead (the first during the guess), later passes with the
+ *    copies fill up to STAGE_SLOTS chunks ahead (the first during the guess; a constant slot count,
+ *    and chunks inside the row copied and read without per-vector bounds checks: B=64 128K 22.9 ->
+ *    20.8 us, benchmarks/RESULTS.md, session 24), later passes with the
  *    next chunk's loads in flight; 32-bit counts; no prediction
  *    (measured: no threshold from it beat the sample's, and where the previous Top-K mostly persists
  *    its statistics put the threshold above the k-th value). The first pass (verify) only compares
@@ -265,7 +267,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     gvr_topk_gvr_kernel(const T *__restrict__ scores, long long row_stride, int N, RowGeom rg,
                         const int *__restrict__ prev, long long prev_stride, int pdiv, int Kp, int k,
                         int *__restrict__ out, long long out_stride, OutMap om, int C, int nch, int seg_cap,
-                        int nslots)
+                        int /* nslots: the ring's slots, STAGE_SLOTS (checked by the launcher) */)
 {
     pdl_enter();
     PROF_SPAN(0);
@@ -294,22 +296,33 @@ __global__ void __launch_bounds__(THREADS, 1)
     const bool search = kk < L && L > CAND_CAP;
 
     /* streamed: the collection buffer (seg_cap pairs per warp) and behind it the staging ring of
-     * nslots slots of P elements (a chunk), dynamic shared memory */
+     * STAGE_SLOTS slots of P elements (a chunk), dynamic shared memory */
     extern __shared__ __align__(16) uint2 xbuf[];
     T *const ring = reinterpret_cast<T *>(xbuf + (size_t)seg_cap * WARPS);
+    /* the ring's slots: a constant (the launcher checks that nslots has it), so that the slot index
+     * is a mask and the copy wait an immediate, not a remainder and a switch per chunk */
+    constexpr int NSL = STAGE_SLOTS;
     /* staged: the verify pass reads the chunks from the ring */
     const bool staged = STREAM && search && my_nch > 0;
     /* this thread's vectors of chunk c (those wholly inside the row) into its slot, one commit group
      * per chunk (empty past the last chunk, so that the group count stays the chunk count) */
     auto stage_copy = [&](int c) {
         if (c < my_nch) {
-            T *const slot = ring + (size_t)(c % nslots) * P;
+            T *const slot = ring + (size_t)(c % NSL) * P;
             const int base = seg + c * P - shift;
+            if (base >= 0 && base + P <= L) { /* the chunk lies in the row (all but its ends) */
 #pragma unroll
-            for (int j = 0; j < VEC; j++) {
-                const int o = (j * THREADS + t) * 4, i = base + o;
-                if (i >= 0 && i + 3 < L) /* the vectors that load_staged reads from the slot */
-                    __pipeline_memcpy_async(slot + o, xr + i, 4 * sizeof(T));
+                for (int j = 0; j < VEC; j++) {
+                    const int o = (j * THREADS + t) * 4;
+                    __pipeline_memcpy_async(slot + o, xr + base + o, 4 * sizeof(T));
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) {
+                    const int o = (j * THREADS + t) * 4, i = base + o;
+                    if (i >= 0 && i + 3 < L) /* the vectors that load_staged reads from the slot */
+                        __pipeline_memcpy_async(slot + o, xr + i, 4 * sizeof(T));
+                }
             }
         }
         __pipeline_commit();
@@ -373,7 +386,7 @@ __global__ void __launch_bounds__(THREADS, 1)
      * the sample's loads */
     if constexpr (STREAM) {
         if (staged) {
-            for (int c = 0; c < nslots; c++)
+            for (int c = 0; c < NSL; c++)
                 stage_copy(c);
         } else if (my_nch > 0) {
             tile.load_raw_at(xr, L, seg);
@@ -596,15 +609,18 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
             wcount += __shfl_sync(0xFFFFFFFFu, incl, 31);
         };
-        /* the chunks from the ring, in order; a slot is refilled with the chunk nslots ahead once its
+        /* the chunks from the ring, in order; a slot is refilled with the chunk NSL ahead once its
          * values are used (the copies are this thread's own: no barrier) */
         if constexpr (STREAM) {
             for (int c = 0; c < my_nch; c++) {
-                stage_wait(nslots - 1); /* chunk c's group: at most the nslots - 1 later ones pending */
+                stage_wait(NSL - 1); /* chunk c's group: at most the NSL - 1 later ones pending */
                 RowTile<VEC> cur;
-                cur.load_staged(xr, L, seg + c * P, ring + (size_t)(c % nslots) * P);
+                if (seg + c * P - shift >= 0 && seg + (c + 1) * P - shift <= L) /* as stage_copy's */
+                    cur.load_staged_whole(xr, L, seg + c * P, ring + (size_t)(c % NSL) * P);
+                else
+                    cur.load_staged(xr, L, seg + c * P, ring + (size_t)(c % NSL) * P);
                 collect(cur);
-                stage_copy(c + nslots);
+                stage_copy(c + NSL);
             }
             stage_wait(0); /* (empty groups) */
         }
@@ -1102,7 +1118,7 @@ cudaError_t gvr_launch_t(const gvr_topk_params *p, int dev, int C, int nch, cuda
         return e;
     const int cap = STREAM ? gvr_collect_cap(nch) : 0;
     const int nslots = STREAM ? gvr_stage_slots<T, VEC>(dyn, cap) : 0;
-    if (STREAM && (nslots == 0 || C > GVR_STREAM_MAX_C))
+    if (STREAM && (nslots != STAGE_SLOTS || C > GVR_STREAM_MAX_C))
         return cudaErrorInvalidConfiguration; /* a device with less shared memory than sm_90's; a
                                                * cluster larger than the exchange buffers */
     const size_t ring = (size_t)nslots * RowTile<VEC>::P * sizeof(T);
