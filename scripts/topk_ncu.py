@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """topk_decode's GVR kernel at one cell, for Nsight Compute (`gpu_check.sh topkncu`): B rows of N float32
-scores (a standard normal, a new draw per call), k = 2048, method "gvr", --calls calls. Profile with
+scores (one standard normal draw), k = 2048, method "gvr", --calls calls. Profile with
 `--cache-control none` for the warm-L2 setting of the quick table (the rows stay in L2 across replays)."""
 import argparse
 
