@@ -30,6 +30,10 @@ thread its own four 16-byte vectors of a chunk, as gvr's streamed kernel):
   ring+collect  the ring + the same collection (gvr's verify pass without the guess and the exchange)
   ring+collect(4)  the same with 4 slots
 
+and three variants of the collection on the ring (checked to collect the same pairs into the same slots):
+a scan of the per-thread counts from 5 ballots of their bits instead of a chain of shuffles; the
+element loop without branches (a predicated store); both.
+
 The kernels are compiled here with nvcc (-arch sm_90a by default, GVR_FLOOR_ARCH) into a temporary
 shared library and launched through ctypes with cudaLaunchKernelEx's cluster attribute. Not a test, not a
 benchmark of gvr; needs torch, nvcc and a CUDA device of compute capability 9.0 or later.
@@ -52,6 +56,8 @@ THREADS = 512
 KINDS = ("empty", "read", "+count", "+round", "+out")
 # the streamed pass's pieces alone (no exchange; modes 5-8): how gvr's verify pass reads and collects
 PASS_KINDS = ("ring", "read+collect", "ring+collect", "ring+collect(4)")
+# collection variants on the ring (modes 9-11): candidates for a cheaper gvr pass, checked equal to mode 7's
+COLLECT_KINDS = ("collect:ballot-scan", "collect:branch-free", "collect:ballot+branch-free")
 
 SRC = r"""
 #include <cuda_runtime.h>
@@ -62,9 +68,19 @@ constexpr int P4 = T * 4;     /* float4 per chunk (8192 floats, gvr's streamed c
 constexpr int SEG_CAP = 512;  /* pairs per warp segment */
 constexpr int PASS_DYN = 4 * P4 * 16 + (T / 32) * SEG_CAP * 8; /* a ring of up to 4 chunk slots + the segments */
 
+/* gvr's order-preserving key of a float (its stored_key: sign-magnitude flipped to unsigned order, + 1) */
+__device__ __forceinline__ unsigned skey(float f)
+{
+    const unsigned u = __float_as_uint(f);
+    return (u ^ ((unsigned)((int)u >> 31) | 0x80000000u)) + 1u;
+}
+
 /* gvr's verify-pass collection of one chunk's 16 values per thread (vectors j = 0..3 at float4 index
  * vbase + j * T + t): a bit mask of those >= thr, a warp scan of the counts, each thread's pairs at
- * consecutive slots of its warp's segment */
+ * consecutive slots of its warp's segment. CV 0: gvr's code (a shuffle scan; a branch per element
+ * under `if (cm)`); bit 0: the scan from 5 ballots of the count's bits (no dependent shuffle chain);
+ * bit 1: the element loop without branches (a predicated store, a select for the max) */
+template <int CV>
 __device__ __forceinline__ void collect16(const float4 (&v)[4], int vbase, float thr, uint2 *seg, int &wcount,
                                           unsigned &kmax)
 {
@@ -75,32 +91,59 @@ __device__ __forceinline__ void collect16(const float4 (&v)[4], int vbase, float
     for (int q = 0; q < 16; q++)
         cm |= (f[q] >= thr ? 1u : 0u) << q;
     const int n = __popc(cm);
-    int incl = n;
+    int first, total; /* this thread's first slot after wcount, the warp's count */
+    if constexpr (CV & 1) {
+        const unsigned lt = (1u << lane) - 1u;
+        first = 0;
+        total = 0;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-        if (lane >= o)
-            incl += y;
+        for (int b = 0; b < 5; b++) { /* n <= 16 */
+            const unsigned m = __ballot_sync(0xFFFFFFFFu, (n >> b) & 1);
+            first += __popc(m & lt) << b;
+            total += __popc(m) << b;
+        }
+    } else {
+        int incl = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+            if (lane >= o)
+                incl += y;
+        }
+        first = incl - n;
+        total = __shfl_sync(0xFFFFFFFFu, incl, 31);
     }
-    if (cm) {
-        int pos = wcount + incl - n;
+    int pos = wcount + first;
+    if constexpr (CV & 2) {
+#pragma unroll
+        for (int q = 0; q < 16; q++) {
+            const bool take = (cm >> q) & 1u;
+            const unsigned key = skey(f[q]);
+            if (take && pos < SEG_CAP)
+                seg[pos] = make_uint2(key, (unsigned)((vbase + (q >> 2) * T + t) * 4 + (q & 3)));
+            kmax = take && key > kmax ? key : kmax;
+            pos += take;
+        }
+    } else if (cm) {
 #pragma unroll
         for (int q = 0; q < 16; q++)
             if ((cm >> q) & 1u) {
-                const unsigned key = __float_as_uint(f[q]) ^ 0x80000000u;
+                const unsigned key = skey(f[q]);
                 if (pos < SEG_CAP)
                     seg[pos] = make_uint2(key, (unsigned)((vbase + (q >> 2) * T + t) * 4 + (q & 3)));
                 kmax = key > kmax ? key : kmax;
                 pos++;
             }
     }
-    wcount += __shfl_sync(0xFFFFFFFFu, incl, 31);
+    wcount += total;
 }
 
 /* MODE 5 ring (gvr's staging: cp.async of each thread's own 16-byte vectors into a ring of NS chunk slots,
  * per-thread waits, no barrier) counting >= thr; 6 16-byte loads (8 per thread in flight, as `read`) +
  * collect16; 7 the ring (2 slots) + collect16 (gvr's verify pass without the guess and the exchange);
- * 8 the same with 4 slots */
+ * 8 the same with 4 slots; 9-11 the ring (2 slots) + collect16<MODE - 8>. Each warp adds a checksum of its
+ * segment's pairs to its count: the collecting modes' acc agree when they collect the same pairs in the
+ * same slots. */
 template <int MODE>
 __global__ void __launch_bounds__(T, 1) pass_kernel(const float *__restrict__ x, long long stride, int C, int S,
                                                     float thr, unsigned *acc)
@@ -131,7 +174,7 @@ __global__ void __launch_bounds__(T, 1) pass_kernel(const float *__restrict__ x,
                     v[h][j] = __ldg(xr + base + h * P4 + j * T + t);
 #pragma unroll
             for (int h = 0; h < 2; h++)
-                collect16(v[h], base + h * P4, thr, seg, wcount, kmax);
+                collect16<0>(v[h], base + h * P4, thr, seg, wcount, kmax);
         }
     } else {
         for (int c = 0; c < NS; c++)
@@ -148,13 +191,18 @@ __global__ void __launch_bounds__(T, 1) pass_kernel(const float *__restrict__ x,
                 for (int j = 0; j < 4; j++)
                     cnt += (v[j].x >= thr) + (v[j].y >= thr) + (v[j].z >= thr) + (v[j].w >= thr);
             } else {
-                collect16(v, c * P4, thr, seg, wcount, kmax);
+                collect16<(MODE >= 9 ? MODE - 8 : 0)>(v, c * P4, thr, seg, wcount, kmax);
             }
             copy(c + NS);
         }
         __pipeline_wait_prior(0);
     }
     cnt += (unsigned)wcount + kmax;
+    if constexpr (MODE != 5) {
+        __syncwarp(); /* the warp's pairs, written by its lanes */
+        for (int i = t & 31; i < (wcount < SEG_CAP ? wcount : SEG_CAP); i += 32)
+            cnt += seg[i].x * 31u + seg[i].y;
+    }
     cnt = __reduce_add_sync(0xFFFFFFFFu, cnt);
     if ((t & 31) == 0)
         atomicAdd(acc + blockIdx.x, cnt);
@@ -307,6 +355,9 @@ extern "C" int floor_launch(int mode, const float *x, long long stride, int B, i
     case 6: return launch_pass<6>(x, stride, B, C, S, thr, acc, s);
     case 7: return launch_pass<7>(x, stride, B, C, S, thr, acc, s);
     case 8: return launch_pass<8>(x, stride, B, C, S, thr, acc, s);
+    case 9: return launch_pass<9>(x, stride, B, C, S, thr, acc, s);
+    case 10: return launch_pass<10>(x, stride, B, C, S, thr, acc, s);
+    case 11: return launch_pass<11>(x, stride, B, C, S, thr, acc, s);
     default: return launch<4>(x, stride, B, C, S, thr, acc, out, k, s);
     }
 }
@@ -387,8 +438,15 @@ def main(argv=None):
             for mode, name in enumerate(KINDS):
                 r[name] = timer.graph(floor(mode), a.calls, a.replays)["median_us"]
             if S % (4 * THREADS * 4) == 0:  # whole chunks per CTA (the pass modes' loops)
-                for mode, name in enumerate(PASS_KINDS, 5):
+                for mode, name in enumerate(PASS_KINDS + COLLECT_KINDS, 5):
                     r[name] = timer.graph(floor(mode), a.calls, a.replays)["median_us"]
+                # the collection variants collect what gvr's code does (counts, maxima, pairs and slots)
+                sums = {}
+                for mode in (7, 9, 10, 11):
+                    acc.zero_()
+                    floor(mode)()
+                    sums[mode] = acc.cpu().tolist()
+                r["collect_variants_equal"] = all(sums[m] == sums[7] for m in (9, 10, 11))
             r["gvr"] = timer.graph(lambda: gvr.topk_decode(x, a.k, out=out, method="gvr"), a.calls, a.replays)["median_us"]
             rows.append(r)
             print(f"N={n} B={b} (clusters of {C}, {r['mb']:.1f} MB): " +
@@ -396,6 +454,8 @@ def main(argv=None):
             if "ring" in r:
                 print("  the pass's pieces alone: " + "  ".join(f"{name} {r[name]:.2f}" for name in PASS_KINDS) + " us",
                       flush=True)
+                print("  the ring + collection variants: " + "  ".join(f"{name[8:]} {r[name]:.2f}" for name in COLLECT_KINDS)
+                      + f" us (the same pairs as gvr's collection: {r['collect_variants_equal']})", flush=True)
     if a.json:
         H.write_json(a.json, {"meta": meta, "rows": rows})
         print(f"# wrote {a.json}")
