@@ -301,15 +301,18 @@ __global__ void __launch_bounds__(T) floor_kernel(const float *__restrict__ x, l
     }
 }
 
-template <int MODE>
-static int launch(const float *x, long long stride, int B, int C, int S, float thr, unsigned *acc, int *out, int k,
-                  cudaStream_t s)
+/* fn on B * C CTAs of T threads in clusters of C, with dyn bytes of dynamic shared memory */
+template <typename... K, typename... A>
+static int launch_cluster(void (*fn)(K...), int B, int C, int dyn, cudaStream_t s, A... args)
 {
+    if (dyn)
+        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (C > 8)
-        cudaFuncSetAttribute(floor_kernel<MODE>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(B * C);
     cfg.blockDim = dim3(T);
+    cfg.dynamicSmemBytes = dyn;
     cfg.stream = s;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeClusterDimension;
@@ -318,28 +321,20 @@ static int launch(const float *x, long long stride, int B, int C, int S, float t
     at[0].val.clusterDim.z = 1;
     cfg.attrs = at;
     cfg.numAttrs = 1;
-    return (int)cudaLaunchKernelEx(&cfg, floor_kernel<MODE>, x, stride, C, S, thr, acc, out, k);
+    return (int)cudaLaunchKernelEx(&cfg, fn, args...);
+}
+
+template <int MODE>
+static int launch(const float *x, long long stride, int B, int C, int S, float thr, unsigned *acc, int *out, int k,
+                  cudaStream_t s)
+{
+    return launch_cluster(floor_kernel<MODE>, B, C, 0, s, x, stride, C, S, thr, acc, out, k);
 }
 
 template <int MODE>
 static int launch_pass(const float *x, long long stride, int B, int C, int S, float thr, unsigned *acc, cudaStream_t s)
 {
-    cudaFuncSetAttribute(pass_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, PASS_DYN);
-    if (C > 8)
-        cudaFuncSetAttribute(pass_kernel<MODE>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(B * C);
-    cfg.blockDim = dim3(T);
-    cfg.dynamicSmemBytes = PASS_DYN;
-    cfg.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = C;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    return (int)cudaLaunchKernelEx(&cfg, pass_kernel<MODE>, x, stride, C, S, thr, acc);
+    return launch_cluster(pass_kernel<MODE>, B, C, PASS_DYN, s, x, stride, C, S, thr, acc);
 }
 
 extern "C" int floor_launch(int mode, const float *x, long long stride, int B, int C, int S, float thr,
