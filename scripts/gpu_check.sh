@@ -49,7 +49,8 @@
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
-#   topkcollectab  session 24's collection variants of the streamed pass, built here and A/B'd (topkab) against the installed library
+#   topkvar  variants of the streamed gvr kernel (TOPK_VARIANTS="name:-DMACRO=v ...[|patch.diff];..."), built here and
+#            A/B'd (topkab) against the installed library
 #   topkncu  Nsight Compute (full set, SASS stall samples, warm L2) on the GVR Top-K kernel: NCU_CELLS="N B,..." (default 131072 64)
 #   topkfloor  scripts/topk_floor.py: minimal kernels of the B=1 / B=64 128K Top-K grids (read, exchange, output) vs gvr
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 4K, 8K tokens); planncu: on the prefetch's plan kernel
@@ -471,17 +472,21 @@ for path in runs:
 PYEOF
 }
 
-topkcollectab() {  # session 24's collection variants (scripts/patches/topk_collect_variants.diff, -DGVR_COLLECT_VARIANT
-  # 1-3) built on this machine from the installed build's objects, then topkab: B 8/64, N 64K-256K, $AB_REPEAT (default 3) runs
-  say "build the collection variants"
-  local v
-  for v in 1 2 3; do
-    NVCC_EXTRA=-DGVR_COLLECT_VARIANT=$v bash scripts/variant_lib.sh coll$v --patch scripts/patches/topk_collect_variants.diff \
-      --only 'topk/gvr_stream_*.cu' > "$OUT/variant_coll$v.log" 2>&1 &
+topkvar() {  # variants of the streamed gvr kernel built on this machine from the installed build's objects
+  # (TOPK_VARIANTS="name:-DMACRO=v -DMACRO=v;name2:...", the kernel's A/B macros; optional |PATCH.diff after
+  # the flags), then topkab against the installed library: B $AB_B (default 8 64), N 64K-256K, $AB_REPEAT (default 3) runs
+  say "build the variants"
+  local v name rest flags patch
+  rm -f build/ab_*
+  IFS=';' read -ra vs <<< "${TOPK_VARIANTS:?TOPK_VARIANTS=name:flags;...}"
+  for v in "${vs[@]}"; do
+    name=${v%%:*}; rest=${v#*:}; flags=${rest%%|*}; patch=""
+    [ "$rest" != "$flags" ] && patch="--patch ${rest#*|}"
+    NVCC_EXTRA="$flags" bash scripts/variant_lib.sh "$name" $patch --only 'topk/gvr_stream_*.cu' > "$OUT/variant_$name.log" 2>&1 &
   done
   wait
-  tail -qn 1 "$OUT"/variant_coll*.log
-  AB_VARIANTS="head:X=1" AB_REPEAT=${AB_REPEAT:-3} AB_B="8 64" AB_N="65536 131072 262144" topkab
+  tail -qn 1 "$OUT"/variant_*.log
+  AB_VARIANTS="head:X=1" AB_REPEAT=${AB_REPEAT:-3} AB_B="${AB_B:-8 64}" AB_N="${AB_N:-65536 131072 262144}" topkab
 }
 
 hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev_topk over overlaps 2-95%
@@ -574,7 +579,7 @@ for mode in "${@:-check}"; do
     floor) floor ;;
     topkfloor) topkfloor ;;
     topkncu) topkncu ;;
-    topkcollectab) topkcollectab ;;
+    topkvar) topkvar ;;
     prrbench) prrbench ;;
     prrprof) prrprof ;;
     prrlayers) prrlayers ;;

@@ -46,6 +46,13 @@ if only in (None, "topk"):
                     got = gvr.topk_decode(xg, 64, prev_topk=prev, lengths=lengths, method=method, sorted=True).cpu().numpy()
                     exp = gvr.topk_decode(x, 64, lengths=ln, sorted=True)
                     assert (got == exp).all(), (x.shape, method, ln)
+    # the streamed kernel's passes over its collected pairs in tiles of 256 and 512 per warp (k large
+    # enough that the fullest warp of a 3-CTA cluster holds more than 128 / 256 pairs)
+    xl = rng.standard_normal((40, 200001)).astype(np.float32)
+    xl[:, ::4] = np.round(xl[:, ::4] * 4) / 4
+    for k in (8192, 16384):
+        got = gvr.topk_decode(torch.from_numpy(xl).cuda(), k, method="gvr").cpu().numpy()
+        assert (np.sort(got, 1) == np.sort(gvr.topk_decode(xl, k), 1)).all(), k
     # rows starting 1..3 floats past a 16-byte boundary (aligned-coordinate loads: the first and last
     # float4 of a row are partial), one CTA and a cluster per row, every method
     for N in (3001, 40003):

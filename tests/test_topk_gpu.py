@@ -282,6 +282,23 @@ def test_streamed_collection_fallbacks():
             assert_same_sets(got.cpu().numpy(), want, f"k={k} prev={prev is not None}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streamed_pair_tiles(dtype):
+    # After its first pass the streamed kernel reads the collected pairs in tiles of 128, 256 or 512
+    # per warp, the smallest that holds the CTA's fullest warp: k from 512 to 16384 at B=64 128K (two
+    # CTAs of 16 warps per row, ~1.15 k / 32 pairs per warp) takes each width, and two tiles of 512;
+    # a tied quarter of the row puts runs of equal keys into the pairs.
+    B, N = 64, 131072
+    x = data.iid_scores(B, N, dist="normal", seed=21)
+    x[:, ::4] = np.round(x[:, ::4] * 4) / 4
+    xg = gpu(x).to(getattr(torch, dtype))
+    xc = xg.float().cpu().numpy()
+    for k in (512, 2048, 4096, 8192, 16384):
+        want = cpu_result(xc, k)
+        got = gvr.topk_decode(xg, k, method="gvr")
+        assert_same_sets(got.cpu().numpy(), want, f"{dtype} k={k}")
+
+
 def test_rows_beyond_the_radix_limit():
     # the GVR kernel streams rows of any length; the radix path holds at most 16 * 32768 per row
     N = 600001

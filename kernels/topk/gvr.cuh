@@ -39,7 +39,8 @@
  *    least kk lie at or above tc and no warp overflowed, the rounds and the output read the pairs,
  *    not the row (one pass over the row in all); otherwise they re-read the row. Each CTA bins its
  *    pairs before the exchange that tells whether they hold the k-th, so that the first round's
- *    counts travel with it.
+ *    counts travel with it. The passes over the pairs use tiles sized to them (PAIR_VEC), and the
+ *    collection drops its per-element branch where it collects a dense share (COLLECT_DENSE).
  *  - Register-held rows stay raw floats while the rounds and the output can compare values (value
  *    maps, key-aligned bounds); they become stored keys only when a round needs keys (shift maps,
  *    ties at the boundary).
@@ -87,6 +88,28 @@ constexpr float PRED_SPREAD = 2.5f, SAMPLE_SPREAD = 1.5f;
 /* register-held rows: count the first round on the raw floats and convert to keys after it (true),
  * or convert while the phase-1 gathers are in flight (false) */
 constexpr bool RAW_FIRST = true;
+/* streamed rows, the collected pairs: the tiles of the passes over them hold 4 * PV pairs per lane (128 PV
+ * per warp). A warp holds ~1.15 k / (16 C) pairs or a few times that (74 at k = 2048, C = 2), so the
+ * row's tile shape (PV = 4) spent most of its work on empty slots. Each CTA's binning of its own pairs
+ * (no barrier) takes PV = 1 tiles; the rounds and the output (a barrier per tile) the smallest PV of 1,
+ * 2, 4 that covers the CTA's fullest warp in one tile. H100 (benchmarks/RESULTS.md, session 25), with
+ * COLLECT_DENSE below, against PV = 4 everywhere: B=64 64K 15.0 -> 13.9 us, 128K 20.8 -> 20.4, 256K
+ * 33.1 -> 32.2; B=8 256K 14.2 -> 12.6 (PV = 1 or 2 everywhere: within 0.15 us of it, either 0.3-0.5
+ * slower in one cell). PAIR_VEC (A/B builds): one PV for all, 0 the choice above. */
+#ifndef GVR_PAIR_VEC
+#define GVR_PAIR_VEC 0
+#endif
+constexpr int PAIR_VEC = GVR_PAIR_VEC;
+/* streamed rows, the verify pass's collection: a loop without branches over each thread's elements
+ * where the pass collects more than ~1.15 / COLLECT_DENSE of the row (kk * COLLECT_DENSE > L), a branch
+ * per element that some lane of the warp collects elsewhere (sparser collections skip most elements).
+ * H100 (session 25), k = 2048, against a branch everywhere: B=64 64K 14.2 -> 13.9 us, 128K 21.2 ->
+ * 20.7; against no branch everywhere: B=8 256K 13.1 -> 12.6. Also measured and not kept (session 25,
+ * scripts/patches/topk_collect_variants.diff): the warp scan from ballots of the counts' bits. */
+#ifndef GVR_COLLECT_DENSE
+#define GVR_COLLECT_DENSE 80
+#endif
+constexpr int COLLECT_DENSE = GVR_COLLECT_DENSE;
 
 /* Deterministic block sum of M <= 8 floats, one barrier: warp sums (fixed shuffle tree), then every
  * thread adds the warp sums in warp order itself (the same order everywhere: identical results).
@@ -124,6 +147,7 @@ __device__ void block_sum(float (&v)[M], S &s)
  * RowTile; each warp reads its own segment (n pairs from `first` on), key 0 past the end */
 template <int VEC>
 struct PairTile {
+    static constexpr int NE = 4 * VEC;         /* pairs per lane */
     static constexpr bool ARITH_INDEX = false; /* index(j, l) reads idx[] */
     uint32_t key[VEC * 4];
     int idx[VEC * 4];
@@ -530,12 +554,24 @@ __global__ void __launch_bounds__(THREADS, 1)
         if constexpr (!STREAM) {
             f(tile);
         } else if (from_buf) {
-            /* a trip count uniform over the CTA (f may scan): its fullest warp's pairs */
-            for (int q0 = 0; q0 < buf_len; q0 += 128 * VEC) {
-                PairTile<VEC> bt;
-                bt.load(wseg, wcount, q0);
-                f(bt);
-            }
+            /* a trip count uniform over the CTA (f may scan): its fullest warp's pairs, in tiles of
+             * 128 PV pairs per warp */
+            auto pairs = [&](auto pv_c) {
+                constexpr int PV = decltype(pv_c)::value;
+                for (int q0 = 0; q0 < buf_len; q0 += 128 * PV) {
+                    PairTile<PV> bt;
+                    bt.load(wseg, wcount, q0);
+                    f(bt);
+                }
+            };
+            if constexpr (PAIR_VEC > 0)
+                pairs(std::integral_constant<int, PAIR_VEC>{});
+            else if (buf_len <= 128)
+                pairs(std::integral_constant<int, 1>{});
+            else if (buf_len <= 256)
+                pairs(std::integral_constant<int, 2>{});
+            else
+                pairs(std::integral_constant<int, 4>{});
         } else {
             chunks(std::false_type{}, f);
         }
@@ -587,7 +623,7 @@ __global__ void __launch_bounds__(THREADS, 1)
          * its few pairs at consecutive slots (lane order, then element order: deterministic). About
          * 3 instructions per element: with a ballot and a branch per element the pass was issue
          * bound near the copy bandwidth (its speed moved with code generation, +-10%, measured). */
-        auto collect = [&](const auto &tl) {
+        auto collect = [&](const auto &tl, auto dense_c) {
             constexpr int NE = std::decay_t<decltype(tl)>::NE;
             unsigned cm = 0u;
 #pragma unroll
@@ -595,8 +631,19 @@ __global__ void __launch_bounds__(THREADS, 1)
                 cm |= (__uint_as_float(tl.key[q]) >= tc ? 1u : 0u) << q;
             const int n = __popc(cm);
             const int incl = warp_inclusive_sum(n);
-            if (cm) {
-                int pos = wcount + incl - n;
+            int pos = wcount + incl - n;
+            if constexpr (decltype(dense_c)::value) {
+                /* dense: every element, a predicated store and a select (no branch) */
+#pragma unroll
+                for (int q = 0; q < NE; q++) {
+                    const bool take = (cm >> q) & 1u;
+                    const uint32_t key = stored_key(__uint_as_float(tl.key[q]));
+                    if (take && pos < seg_cap)
+                        wseg[pos] = make_uint2(key, (uint32_t)tl.index(q >> 2, q & 3));
+                    kmax = take && key > kmax ? key : kmax;
+                    pos += take;
+                }
+            } else if (cm) {
 #pragma unroll
                 for (int q = 0; q < NE; q++)
                     if ((cm >> q) & 1u) {
@@ -612,16 +659,22 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* the chunks from the ring, in order; a slot is refilled with the chunk NSL ahead once its
          * values are used (the copies are this thread's own: no barrier) */
         if constexpr (STREAM) {
-            for (int c = 0; c < my_nch; c++) {
-                stage_wait(NSL - 1); /* chunk c's group: at most the NSL - 1 later ones pending */
-                RowTile<VEC> cur;
-                if (seg + c * P - shift >= 0 && seg + (c + 1) * P - shift <= L) /* as stage_copy's */
-                    cur.load_staged_whole(xr, L, seg + c * P, ring + (size_t)(c % NSL) * P);
-                else
-                    cur.load_staged(xr, L, seg + c * P, ring + (size_t)(c % NSL) * P);
-                collect(cur);
-                stage_copy(c + NSL);
-            }
+            auto pass = [&](auto dense_c) {
+                for (int c = 0; c < my_nch; c++) {
+                    stage_wait(NSL - 1); /* chunk c's group: at most the NSL - 1 later ones pending */
+                    RowTile<VEC> cur;
+                    if (seg + c * P - shift >= 0 && seg + (c + 1) * P - shift <= L) /* as stage_copy's */
+                        cur.load_staged_whole(xr, L, seg + c * P, ring + (size_t)(c % NSL) * P);
+                    else
+                        cur.load_staged(xr, L, seg + c * P, ring + (size_t)(c % NSL) * P);
+                    collect(cur, dense_c);
+                    stage_copy(c + NSL);
+                }
+            };
+            if ((long long)kk * COLLECT_DENSE > L)
+                pass(std::true_type{});
+            else
+                pass(std::false_type{});
             stage_wait(0); /* (empty groups) */
         }
         PROF(25);
@@ -633,11 +686,12 @@ __global__ void __launch_bounds__(THREADS, 1)
             __syncwarp(); /* the warp's pairs, written by its lanes */
             const int n = wcount < seg_cap ? wcount : seg_cap;
             int top = 0;
-            for (int q0 = 0; q0 < n; q0 += 128 * VEC) { /* uniform in the warp */
-                PairTile<VEC> bt;
+            constexpr int PV = PAIR_VEC ? PAIR_VEC : 1;
+            for (int q0 = 0; q0 < n; q0 += 128 * PV) { /* uniform in the warp */
+                PairTile<PV> bt;
                 bt.load(wseg, n, q0);
 #pragma unroll
-                for (int i = 0; i < 4 * VEC; i++) {
+                for (int i = 0; i < PairTile<PV>::NE; i++) {
                     const int b = value_bin<GVR_BINS>(tc, iwp, bt.key[i]); /* key 0 past the end: bin 0 */
                     top += b == GVR_BINS - 1;
                     if (b && b < GVR_BINS - 1)
@@ -744,7 +798,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const float v0 = map.lay.v0, iw = map.lay.inv_w; /* A, Z key-aligned: 32-bit keys only */
                 sweep([&](const auto &tl) {
 #pragma unroll
-                    for (int i = 0; i < 4 * VEC; i++) {
+                    for (int i = 0; i < std::decay_t<decltype(tl)>::NE; i++) {
                         const uint32_t key = tl.key[i];
                         const int b = (key >= ka && key <= kz) ? value_bin<GVR_BINS>(v0, iw, key) : 0;
                         top += b == GVR_BINS - 1;
@@ -756,7 +810,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 to_keys();
                 sweep([&](const auto &tl) {
 #pragma unroll
-                    for (int j = 0; j < VEC; j++)
+                    for (int j = 0; j < std::decay_t<decltype(tl)>::NE / 4; j++)
 #pragma unroll
                         for (int l = 0; l < 4; l++) {
                             const uint32_t key = tl.key[4 * j + l];
@@ -899,11 +953,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         constexpr int KIND = decltype(kind_c)::value;
         const float va = KIND == 0 ? key_value(ka) : 0.f, vz = KIND == 0 ? key_value(kz) : 0.f;
         sweep([&](const auto &tl) {
-            /* bit q: element q above Z / a candidate (4 * VEC <= 48 elements per thread) */
-            using Mask = std::conditional_t<(4 * VEC > 32), unsigned long long, unsigned>;
+            /* bit q: element q above Z / a candidate (NE <= 48 elements per thread) */
+            constexpr int NE = std::decay_t<decltype(tl)>::NE;
+            using Mask = std::conditional_t<(NE > 32), unsigned long long, unsigned>;
             Mask ma = 0u, mc = 0u;
 #pragma unroll
-            for (int q = 0; q < 4 * VEC; q++) {
+            for (int q = 0; q < NE; q++) {
                 bool up, in;
                 if constexpr (KIND == 0) {
                     const float v = __uint_as_float(tl.key[q]);
@@ -937,7 +992,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                         }
                     } else {
 #pragma unroll
-                        for (int q = 0; q < 4 * VEC; q++)
+                        for (int q = 0; q < NE; q++)
                             if ((ma >> q) & 1u)
                                 ro.put(pa++, tl.index(q >> 2, q & 3));
                     }
@@ -947,7 +1002,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 if (mc) {
                     int pc = pos_cand + (before >> 16);
 #pragma unroll
-                    for (int q = 0; q < 4 * VEC; q++)
+                    for (int q = 0; q < NE; q++)
                         if ((mc >> q) & 1u) {
                             uint32_t key;
                             if constexpr (KIND == 0)
