@@ -50,6 +50,7 @@
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   topkvar  variants of the streamed gvr kernel (TOPK_VARIANTS="name:-DMACRO=v ...[|patch.diff];..."), built here and
+#   topkprof  phase stamps (profile) from a -DGVR_PROFILE library built here first; PP_CASES as profile's
 #            A/B'd (topkab) against the installed library
 #   topkncu  Nsight Compute (full set, SASS stall samples, warm L2) on the GVR Top-K kernel: NCU_CELLS="N B,..." (default 131072 64)
 #   topkfloor  scripts/topk_floor.py: minimal kernels of the B=1 / B=64 128K Top-K grids (read, exchange, output) vs gvr
@@ -489,6 +490,14 @@ topkvar() {  # variants of the streamed gvr kernel built on this machine from th
   AB_VARIANTS="head:X=1" AB_REPEAT=${AB_REPEAT:-3} AB_B="${AB_B:-8 64}" AB_N="${AB_N:-65536 131072 262144}" topkab
 }
 
+topkprof() {  # phase stamps of the Top-K kernels: a -DGVR_PROFILE library built on this machine from the installed
+  # build's objects (all of topk/), then profile (PP_CASES, default the issue-15 goal cells and B=8 256K)
+  say "build the profile library"
+  rm -f build/prof_*
+  bash scripts/variant_lib.sh here --profile > "$OUT/variant_prof.log" 2>&1; tail -n 1 "$OUT/variant_prof.log"
+  PP_CASES=${PP_CASES:-131072 64,131072 1,65536 64,262144 8} profile
+}
+
 hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev_topk over overlaps 2-95%
   say "bench_topk hint sweep"
   (cd /tmp && timeout 500 $PY "$ROOT/benchmarks/bench_topk.py" --device cuda --workloads trace02 trace20 trace45 trace70 \
@@ -580,6 +589,7 @@ for mode in "${@:-check}"; do
     topkfloor) topkfloor ;;
     topkncu) topkncu ;;
     topkvar) topkvar ;;
+    topkprof) topkprof ;;
     prrbench) prrbench ;;
     prrprof) prrprof ;;
     prrlayers) prrlayers ;;
