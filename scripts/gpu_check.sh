@@ -50,8 +50,8 @@
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   topkvar  variants of the streamed gvr kernel (TOPK_VARIANTS="name:-DMACRO=v ...[|patch.diff];..."), built here and
-#   topkprof  phase stamps (profile) from a -DGVR_PROFILE library built here first; PP_CASES as profile's
 #            A/B'd (topkab) against the installed library
+#   topkprof  phase stamps (profile) from a -DGVR_PROFILE library built here first; PP_CASES as profile's
 #   topkncu  Nsight Compute (full set, SASS stall samples, warm L2) on the GVR Top-K kernel: NCU_CELLS="N B,..." (default 131072 64)
 #   topkfloor  scripts/topk_floor.py: minimal kernels of the B=1 / B=64 128K Top-K grids (read, exchange, output) vs gvr
 #   ncu      Nsight Compute on the B=1 attention cells (1K, 4K, 8K tokens); planncu: on the prefetch's plan kernel

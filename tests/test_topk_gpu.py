@@ -285,18 +285,21 @@ def test_streamed_collection_fallbacks():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_streamed_pair_tiles(dtype):
     # After its first pass the streamed kernel reads the collected pairs in tiles of 128, 256 or 512
-    # per warp, the smallest that holds the CTA's fullest warp: k from 512 to 16384 at B=64 128K (two
-    # CTAs of 16 warps per row, ~1.15 k / 32 pairs per warp) takes each width, and two tiles of 512;
-    # a tied quarter of the row puts runs of equal keys into the pairs.
-    B, N = 64, 131072
-    x = data.iid_scores(B, N, dist="normal", seed=21)
-    x[:, ::4] = np.round(x[:, ::4] * 4) / 4
-    xg = gpu(x).to(getattr(torch, dtype))
-    xc = xg.float().cpu().numpy()
-    for k in (512, 2048, 4096, 8192, 16384):
-        want = cpu_result(xc, k)
-        got = gvr.topk_decode(xg, k, method="gvr")
-        assert_same_sets(got.cpu().numpy(), want, f"{dtype} k={k}")
+    # per warp, the smallest that holds the CTA's fullest warp, and several tiles of 512 past that.
+    # Replayed in NumPy (the sample's threshold, each warp's positions), these rows take: at B=64 128K
+    # (two CTAs of 16 warps per row, segments of 512 pairs per warp) k=512 and 2048 tiles of 128,
+    # 4096 of 256, 8192 of 512, 16384 an overflowed segment (the row again); at B=64 256K (segments
+    # of 1024) k=16384 two tiles of 512. A few rows of each hold fewer than k above the threshold
+    # (the search below it). A tied quarter of each row puts runs of equal keys into the pairs.
+    for N, ks in ((131072, (512, 2048, 4096, 8192, 16384)), (262144, (16384,))):
+        x = data.iid_scores(64, N, dist="normal", seed=21)
+        x[:, ::4] = np.round(x[:, ::4] * 4) / 4
+        xg = gpu(x).to(getattr(torch, dtype))
+        xc = xg.float().cpu().numpy()
+        for k in ks:
+            want = cpu_result(xc, k)
+            got = gvr.topk_decode(xg, k, method="gvr")
+            assert_same_sets(got.cpu().numpy(), want, f"{dtype} N={N} k={k}")
 
 
 def test_rows_beyond_the_radix_limit():
