@@ -446,9 +446,10 @@ unpack() {  # $1 (.gz or .xz) -> $2, with Python's gzip / lzma (no xz tool neede
 topkab() {  # A/B of topk variants on one machine, interleaved: the quick table (B=64, N 64K-256K) for each
   # variant of $AB_VARIANTS ("name:VAR=v,VAR=v ..."; default "pf4:GVR_TOPK_PF=4 pf0:GVR_TOPK_PF=0") and for
   # each library carried as build/ab_NAME.so.gz or .so.xz in place of the installed one (same C ABI; restored after),
-  # the whole list $AB_REPEAT times (default 2) -> $OUT/ab_*.json, ab.log, ab_compare.log
+  # the whole list $AB_REPEAT times (default 2) -> $OUT/ab_*.json, ab.log, ab_compare.log; $AB_ARGS: more
+  # quick_gpu_bench.py arguments (e.g. "--rows iid": B distinct rows)
   say "topk A/B"
-  local q="$ROOT/scripts/quick_gpu_bench.py --n ${AB_N:-65536 131072 262144} --batch ${AB_B:-64} --overlap 0.45"
+  local q="$ROOT/scripts/quick_gpu_bench.py --n ${AB_N:-65536 131072 262144} --batch ${AB_B:-64} --overlap 0.45 ${AB_ARGS:-}"
   quick_run() {  # the installed library: once per variant of $AB_VARIANTS; a carried one: as it is
     local v vname envs
     if [ "$1" != main ]; then

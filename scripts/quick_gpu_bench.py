@@ -9,6 +9,8 @@ Runs against any installed gvr with the Python API gvr.topk_decode(x, k, prev_to
 (older builds included: the timing harness is loaded by file path from this checkout, not from gvr).
 Rows are decode-trace steps (gvr.data.decode_trace, seed 1) tiled over B; --extra e times rows of
 N + e elements (contiguous, so a row stride that is not a multiple of 4 floats misaligns the rows).
+--rows iid times B distinct N(0, 1) rows instead (gvr.data.iid_scores, seed 5; the hint: the Top-K of
+another draw; --overlap is not used): a batch is as slow as its slowest row, and tiled rows hide that.
 """
 import argparse
 import json
@@ -30,6 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B")
     p.add_argument("--overlap", type=float, nargs="+", default=[0.45, 0.02], help="target step-to-step Top-K overlaps")
     p.add_argument("--extra", type=int, default=0, help="time rows of N + EXTRA elements")
+    p.add_argument("--rows", choices=("tiled", "iid"), default="tiled",
+                   help="tiled: one decode-trace row per (N, overlap) repeated B times; iid: B distinct N(0, 1) rows")
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--method", default="gvr", help="method of the gvr+prev and gvr columns (default 'gvr': the GVR kernel forced)")
     p.add_argument("--torch", action="store_true", help="also time torch.topk(x, k, sorted=False)")
@@ -85,13 +89,18 @@ def main(argv=None):
     k, rows = a.k, []
     for n0 in a.n:
         n = n0 + a.extra
-        for ov in a.overlap:
-            tr = list(data.decode_trace(n, 2, k=k, overlap=ov, seed=1))
-            x0, x1 = tr[0][:n], tr[1][:n]
-            prev = torch.from_numpy(np.asarray(gvr.topk_decode(x0, k))).cuda()
+        for ov in (a.overlap if a.rows == "tiled" else [0.0]):
+            if a.rows == "tiled":
+                tr = list(data.decode_trace(n, 2, k=k, overlap=ov, seed=1))
+                x0, x1 = tr[0][:n], tr[1][:n]
+                prev = torch.from_numpy(np.asarray(gvr.topk_decode(x0, k))).cuda()
             for b in a.batch:
-                xg = torch.from_numpy(np.tile(x1, (b, 1))).cuda()
-                pb = prev.expand(b, k).contiguous()
+                if a.rows == "tiled":
+                    xg = torch.from_numpy(np.tile(x1, (b, 1))).cuda()
+                    pb = prev.expand(b, k).contiguous()
+                else:
+                    xg = torch.from_numpy(data.iid_scores(b, n, seed=5)).cuda()
+                    pb = torch.from_numpy(np.asarray(gvr.topk_decode(data.iid_scores(b, n, seed=6), k))).cuda()
                 out = torch.empty((b, k), dtype=torch.int32, device="cuda")
                 fns = {
                     "gvr_prev": lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out, method=a.method),
@@ -100,7 +109,7 @@ def main(argv=None):
                 }
                 if a.torch:
                     fns["torch"] = lambda: torch.topk(xg, k, dim=-1, sorted=False)
-                r = {"n": n, "overlap": ov, "b": b}
+                r = {"n": n, "overlap": ov, "b": b, "rows": a.rows}
                 for name, fn in fns.items():
                     r[name] = timer.graph(fn, a.calls, a.replays)["median_us"]
                 rows.append(r)

@@ -39,18 +39,21 @@ def geometry(n, batch, sms):
     return c, nch, cap
 
 
-def threshold(row, k):
-    """the kernel's tc: the normal quantile of the strided sample at the 1.15 k-th value"""
+def threshold(row, k, factor=1.15, margin=0.0, sample=SAMPLE):
+    """the kernel's tc: the normal quantile of the strided sample at the `factor` k-th value (1.15 in the
+    kernel), lowered by `margin` standard errors of that estimate (0 in the kernel): sd * sqrt((1 + z^2 / 2)
+    / m) for a normal quantile z estimated from m values"""
     n = row.size
-    sm = min(n, SAMPLE)
+    sm = min(n, sample)
     sample = row[(np.arange(sm, dtype=np.int64) * n) // sm].astype(np.float64)
     sample = sample[np.isfinite(sample)]
     pivot = float(row[0]) if np.isfinite(row[0]) else 0.0
     d = sample - pivot
     mean = pivot + d.mean()
     sd = math.sqrt(max((d * d).mean() - d.mean() ** 2, 0.0))
-    frac = min(max(1.15 * min(k, n) / n, 1e-7), 0.999999)
-    return mean + sd * NormalDist().inv_cdf(1.0 - frac)
+    frac = min(max(factor * min(k, n) / n, 1e-7), 0.999999)
+    z = NormalDist().inv_cdf(1.0 - frac)
+    return mean + sd * z - margin * sd * math.sqrt((1.0 + z * z / 2.0) / max(sample.size, 1))
 
 
 def warp_counts(take, rank, nch):
@@ -67,8 +70,8 @@ def warp_counts(take, rank, nch):
     return counts
 
 
-def replay(row, k, c, nch, cap):
-    tc = threshold(row, k)
+def replay(row, k, c, nch, cap, **thr):
+    tc = threshold(row, k, **thr)
     take = row >= np.float32(tc)
     total = int(take.sum())
     if total < min(k, row.size):
@@ -86,9 +89,13 @@ def replay(row, k, c, nch, cap):
     return ("tile 512" if fullest <= 512 else f"{-(-fullest // 512)} tiles of 512"), total
 
 
-def rows(kind, batch, n, count):
+def rows(kind, batch, n, count, k):
+    from gvr import data
+    if kind.startswith("trace"):  # benchmarks/bench_topk.py's trace workloads (their first step)
+        return data.decode_trace_batch(count, n, 1, k=k, overlap=int(kind[5:]) / 100, seed=0)[0]
+    if kind == "iid":  # bench_topk's iid workload: fresh N(0, 1) rows
+        return data.iid_scores(count, n, dist="normal", seed=17)
     if kind == "test":
-        from gvr import data
         x = data.iid_scores(batch, n, dist="normal", seed=21)[:count]
     else:
         x = np.random.default_rng(0).standard_normal((count, n)).astype(np.float32)
@@ -102,21 +109,32 @@ def main():
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--k", type=int, nargs="+", required=True)
     ap.add_argument("--rows", type=int, default=16, help="rows replayed (the first ones of the batch)")
-    ap.add_argument("--rows-from", choices=("test", "sanitize"), default="test")
+    ap.add_argument("--rows-from", choices=("test", "sanitize", "iid", "trace02", "trace45", "trace95"), default="test",
+                    help="iid / traceNN: benchmarks/bench_topk.py's workloads (k is the trace's calibration k)")
     ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--factor", type=float, nargs="+", default=[1.15], help="tc's target rank, in k (kernel: 1.15)")
+    ap.add_argument("--margin", type=float, nargs="+", default=[0.0],
+                    help="tc lowered by this many standard errors of the sample's quantile estimate (kernel: 0)")
+    ap.add_argument("--sample", type=int, nargs="+", default=[SAMPLE], help="strided sample size (kernel: 256)")
     a = ap.parse_args()
     c, nch, cap = geometry(a.n, a.batch, a.sms)
-    print(f"N={a.n} B={a.batch}: clusters of {c} CTAs, {nch} chunks each, segments of {cap} pairs per warp")
-    x = rows(a.rows_from, a.batch, a.n, a.rows)
+    print(f"N={a.n} B={a.batch}: clusters of {c} CTAs, {nch} chunks each, segments of {cap} pairs per warp; "
+          f"{a.rows} rows from {a.rows_from}")
     for k in a.k:
-        paths = {}
-        ratios = []
-        for row in x:
-            path, total = replay(row, k, c, nch, cap)
-            paths[path] = paths.get(path, 0) + 1
-            ratios.append(total / k)
-        shown = ", ".join(f"{p}: {m}" for p, m in sorted(paths.items()))
-        print(f"  k={k}: collected {min(ratios):.2f}-{max(ratios):.2f} k; rows per path: {shown}")
+        x = rows(a.rows_from, a.batch, a.n, a.rows, k)
+        for f in a.factor:
+            for m in a.margin:
+                for sm in a.sample:
+                    paths = {}
+                    ratios = []
+                    for row in x:
+                        path, total = replay(row, k, c, nch, cap, factor=f, margin=m, sample=sm)
+                        paths[path] = paths.get(path, 0) + 1
+                        ratios.append(total / k)
+                    shown = ", ".join(f"{p}: {n}" for p, n in sorted(paths.items()))
+                    q = np.percentile(ratios, [0, 50, 100])
+                    print(f"  k={k} factor {f} margin {m} sample {sm}: collected {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} k "
+                          f"(min / median / max); rows per path: {shown}", flush=True)
 
 
 if __name__ == "__main__":
