@@ -476,7 +476,8 @@ PYEOF
 
 topkvar() {  # variants of the streamed gvr kernel built on this machine from the installed build's objects
   # (TOPK_VARIANTS="name:-DMACRO=v -DMACRO=v;name2:...", the kernel's A/B macros; optional |PATCH.diff after
-  # the flags), then topkab against the installed library: B $AB_B (default 8 64), N 64K-256K, $AB_REPEAT (default 3) runs
+  # the flags; $TOPK_ONLY: the objects rebuilt, default the streamed ones 'topk/gvr_stream_*.cu'), then topkab against
+  # the installed library: B $AB_B (default 8 64), N $AB_N (default 64K-256K), $AB_REPEAT (default 3) runs
   say "build the variants"
   local v name rest flags patch
   rm -f build/ab_*
@@ -484,7 +485,7 @@ topkvar() {  # variants of the streamed gvr kernel built on this machine from th
   for v in "${vs[@]}"; do
     name=${v%%:*}; rest=${v#*:}; flags=${rest%%|*}; patch=""
     [ "$rest" != "$flags" ] && patch="--patch ${rest#*|}"
-    NVCC_EXTRA="$flags" bash scripts/variant_lib.sh "$name" $patch --only 'topk/gvr_stream_*.cu' > "$OUT/variant_$name.log" 2>&1 &
+    NVCC_EXTRA="$flags" bash scripts/variant_lib.sh "$name" $patch --only "${TOPK_ONLY:-topk/gvr_stream_*.cu}" > "$OUT/variant_$name.log" 2>&1 &
   done
   wait
   tail -qn 1 "$OUT"/variant_*.log
