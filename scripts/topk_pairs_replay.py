@@ -89,6 +89,23 @@ def replay(row, k, c, nch, cap, **thr):
     return ("tile 512" if fullest <= 512 else f"{-(-fullest // 512)} tiles of 512"), total
 
 
+def band_stats(x, k, bands):
+    """register-held rows' first round (no hint): where the k-th value lies from the sample's center (the
+    1.15 k estimate), in sample sd, and the share of each row inside center - lo sd .. center + hi sd"""
+    offs, shares = [], {b: [] for b in bands}
+    for row in x:
+        n = row.size
+        sample = row[(np.arange(min(n, SAMPLE), dtype=np.int64) * n) // min(n, SAMPLE)].astype(np.float64)
+        sd = float(sample.std())
+        center = threshold(row, k)
+        offs.append((float(np.sort(row)[-k]) - center) / sd)
+        for lo, hi in bands:
+            shares[(lo, hi)].append(float(np.mean((row >= center - lo * sd) & (row <= center + hi * sd))))
+    print(f"  k={k}: the k-th value lies {min(offs):+.2f} / {np.median(offs):+.2f} / {max(offs):+.2f} sd from the "
+          f"center (min / median / max); share of the row in the band: "
+          + ", ".join(f"[-{lo}, +{hi}] sd {np.mean(v):.3f}" for (lo, hi), v in shares.items()))
+
+
 def rows(kind, batch, n, count, k):
     from gvr import data
     if kind.startswith("trace"):  # benchmarks/bench_topk.py's trace workloads (their first step)
@@ -116,7 +133,14 @@ def main():
     ap.add_argument("--margin", type=float, nargs="+", default=[0.0],
                     help="tc lowered by this many standard errors of the sample's quantile estimate (kernel: 0)")
     ap.add_argument("--sample", type=int, nargs="+", default=[SAMPLE], help="strided sample size (kernel: 256)")
+    ap.add_argument("--band", type=float, nargs=2, action="append", metavar=("LO", "HI"),
+                    help="instead: register-held rows' first band [center - LO sd, center + HI sd] (repeatable)")
     a = ap.parse_args()
+    if a.band:
+        print(f"N={a.n}: {a.rows} rows from {a.rows_from}; the sample's center and sd (256 strided values)")
+        for k in a.k:
+            band_stats(rows(a.rows_from, a.batch, a.n, a.rows, k), k, [tuple(b) for b in a.band])
+        return
     c, nch, cap = geometry(a.n, a.batch, a.sms)
     print(f"N={a.n} B={a.batch}: clusters of {c} CTAs, {nch} chunks each, segments of {cap} pairs per warp; "
           f"{a.rows} rows from {a.rows_from}")
