@@ -9,8 +9,12 @@ path a test's rows take without a GPU:
   fullest warp), or several tiles of 512.
 
     python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 512 2048 4096 8192 16384
+    python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 2048 --rows 256 --rows-from iid \
+        --margin 0 2 --sample 256 512      # the threshold lowered by a margin (scripts/patches/topk_tc_margin.diff)
+    python scripts/topk_pairs_replay.py --n 131072 --batch 1 --k 2048 --rows-from trace45 --band 1.5 1.5 --band 0.4 1.4
+                                       # register-held rows' first band instead (scripts/patches/topk_band_asym.diff)
 
-The rows are the first ones of tests/test_topk_gpu.py::test_streamed_pair_tiles (`--rows-from test`), or
+`--rows-from iid` / `trace02|45|95`: benchmarks/bench_topk.py's workloads. Otherwise the rows are the first ones of tests/test_topk_gpu.py::test_streamed_pair_tiles (`--rows-from test`), or
 rows drawn like scripts/sanitize_case.py's pair-tile case (`--rows-from sanitize`: the same distribution,
 not the same rows, whose generator serves earlier cases first). The geometry is the launcher's
 (kernels/topk/topk.cu, plan_gvr) on a GPU of --sms SMs, assuming the streamed kernel and rows that start on
