@@ -43,21 +43,25 @@ def geometry(n, batch, sms):
     return c, nch, cap
 
 
+def sample_stats(row, sample=SAMPLE):
+    """mean, sd and size of the kernel's strided sample (its finite values; sd about a pivot, as the kernel)"""
+    n = row.size
+    sm = min(n, sample)
+    vals = row[(np.arange(sm, dtype=np.int64) * n) // sm].astype(np.float64)
+    vals = vals[np.isfinite(vals)]
+    pivot = float(row[0]) if np.isfinite(row[0]) else 0.0
+    d = vals - pivot
+    return pivot + d.mean(), math.sqrt(max((d * d).mean() - d.mean() ** 2, 0.0)), vals.size
+
+
 def threshold(row, k, factor=1.15, margin=0.0, sample=SAMPLE):
     """the kernel's tc: the normal quantile of the strided sample at the `factor` k-th value (1.15 in the
     kernel), lowered by `margin` standard errors of that estimate (0 in the kernel): sd * sqrt((1 + z^2 / 2)
     / m) for a normal quantile z estimated from m values"""
-    n = row.size
-    sm = min(n, sample)
-    sample = row[(np.arange(sm, dtype=np.int64) * n) // sm].astype(np.float64)
-    sample = sample[np.isfinite(sample)]
-    pivot = float(row[0]) if np.isfinite(row[0]) else 0.0
-    d = sample - pivot
-    mean = pivot + d.mean()
-    sd = math.sqrt(max((d * d).mean() - d.mean() ** 2, 0.0))
-    frac = min(max(factor * min(k, n) / n, 1e-7), 0.999999)
+    mean, sd, m = sample_stats(row, sample)
+    frac = min(max(factor * min(k, row.size) / row.size, 1e-7), 0.999999)
     z = NormalDist().inv_cdf(1.0 - frac)
-    return mean + sd * z - margin * sd * math.sqrt((1.0 + z * z / 2.0) / max(sample.size, 1))
+    return mean + sd * z - margin * sd * math.sqrt((1.0 + z * z / 2.0) / max(m, 1))
 
 
 def warp_counts(take, rank, nch):
@@ -98,9 +102,7 @@ def band_stats(x, k, bands):
     1.15 k estimate), in sample sd, and the share of each row inside center - lo sd .. center + hi sd"""
     offs, shares = [], {b: [] for b in bands}
     for row in x:
-        n = row.size
-        sample = row[(np.arange(min(n, SAMPLE), dtype=np.int64) * n) // min(n, SAMPLE)].astype(np.float64)
-        sd = float(sample.std())
+        sd = sample_stats(row)[1]
         center = threshold(row, k)
         offs.append((float(np.sort(row)[-k]) - center) / sd)
         for lo, hi in bands:
