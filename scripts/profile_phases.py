@@ -12,7 +12,8 @@ from a copy of the tree, where nvcc is (the GPU machine's build time is scarce),
 
 Tags (the
 kernels' PROF calls): 0 start, 1 loaded, 3 guess done (cluster wait), 25 verify pass done (streamed), 26 its pairs
-binned (streamed, before the verify exchange; the first round then has no 20/21 stamps), per round 20 histogram, 21 exchange, 22 pick, 24 per-rank counts and bin edges, 23 round end; 30 output
+binned (streamed, before the verify exchange; the first round then has no 20/21 stamps), 27 the second
+collection pass done (streamed rows below tc), per round 20 histogram, 21 exchange, 22 pick, 24 per-rank counts and bin edges, 23 round end; 30 output
 scan and 33 its writes done (per chunk when streamed), 31 candidates arrived, 32 ranked; 90 candidates
 left and 91 chosen bin are values, not cycles. A second line per case: every CTA's start and end on
 the global timer (launch skew, the spread of the ends)."""

@@ -54,6 +54,20 @@ if only in (None, "topk"):
     for k in (8192, 16384):
         got = gvr.topk_decode(torch.from_numpy(xl).cuda(), k, method="gvr").cpu().numpy()
         assert (np.sort(got, 1) == np.sort(gvr.topk_decode(xl, k), 1)).all(), k
+    # the streamed kernel's second collection pass (fewer than k at or above its threshold: N(0, 1) rows at
+    # k = 2048), one that leaves fewer than k too (gap) and one that overflows the segments (lump), as in
+    # tests/test_topk_gpu.py::test_streamed_collection_fallbacks (rows drawn alike, replayed in NumPy: 13, 40 and 25
+    # of 40 rows take those paths)
+    xs = rng.standard_normal((40, 200001)).astype(np.float32)
+    smp = np.zeros(200001, bool)
+    smp[(np.arange(256) * 200001) // 256] = True  # the kernel's strided sample
+    gap = xs.copy()
+    gap[(gap > 1.0) & (gap < 2.6) & ~smp] -= 3.0
+    lump = xs.copy()
+    lump[(lump > 0.9) & ~smp] = 2.25
+    for x in (xs, gap, lump):
+        got = gvr.topk_decode(torch.from_numpy(x).cuda(), 2048, method="gvr").cpu().numpy()
+        assert (np.sort(got, 1) == np.sort(gvr.topk_decode(x, 2048), 1)).all()
     # rows starting 1..3 floats past a 16-byte boundary (aligned-coordinate loads: the first and last
     # float4 of a row are partial), one CTA and a cluster per row, every method
     for N in (3001, 40003):

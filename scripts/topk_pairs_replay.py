@@ -3,14 +3,17 @@
 tc (kernels/topk/gvr.cuh, phase 1), the elements at or above it, and each warp's count. It tells which
 path a test's rows take without a GPU:
 
-- fewer than k at or above tc: the search goes on below tc, from the row;
+- fewer than k at or above tc: a second pass collects [tlo, tc) (tlo from the sample's normal model, so
+  that 1.5 k lie above it: kernels/topk/gvr.cuh, RECOLLECT), then as below ("second: ..."); fewer than k
+  above tlo too ("below tlo") or an overflowed first pass ("below tc, overflow"): the search goes on from
+  the row;
 - a warp's segment overflowed: the rounds re-read the row;
 - else the pairs are read in tiles of 128, 256 or 512 per warp (the smallest that holds the CTA's
   fullest warp), or several tiles of 512.
 
     python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 512 2048 4096 8192 16384
     python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 2048 --rows 256 --rows-from iid \
-        --margin 0 2 --sample 256 512      # the threshold lowered by a margin (scripts/patches/topk_tc_margin.diff)
+        --margin 0 2 --sample 256 512 --recollect 0 1.5   # a margin (-DGVR_TC_MARGIN), the second collection
     python scripts/topk_pairs_replay.py --n 131072 --batch 1 --k 2048 --rows-from trace45 --band 1.5 1.5 --band 0.4 1.4
                                        # register-held rows' first band instead (scripts/patches/topk_band_asym.diff)
 
@@ -33,6 +36,7 @@ WARPS = THREADS // 32
 STREAM_MAX_C = 8
 COLLECT_CAP, COLLECT_CAP_LONG, COLLECT_LONG_NCH = 8192, 16384, 10  # kernels/topk/launch.h
 SAMPLE = 256
+RECOLLECT = 1.5  # kernels/topk/gvr.cuh: the second collection's target, in k (0: none)
 
 
 def geometry(n, batch, sms):
@@ -78,18 +82,40 @@ def warp_counts(take, rank, nch):
     return counts
 
 
-def replay(row, k, c, nch, cap, **thr):
+def second_threshold(row, k, tc, total, recollect=RECOLLECT, sample=SAMPLE):
+    """the kernel's tlo after a first pass that left total < k at or above tc: tc lowered by the normal model's
+    step (the sample's sd) from the tail share total / n (at least half an element) to recollect * k / n"""
+    n = row.size
+    sd = sample_stats(row, sample)[1]
+    clip = lambda f: min(max(f, 1e-7), 0.999999)
+    z = lambda f: NormalDist().inv_cdf(1.0 - clip(f))
+    return tc - sd * (z(max(total, 0.5) / n) - z(recollect * min(k, n) / n))
+
+
+def replay(row, k, c, nch, cap, recollect=RECOLLECT, **thr):
     tc = threshold(row, k, **thr)
     take = row >= np.float32(tc)
     total = int(take.sum())
+    prefix = ""
     if total < min(k, row.size):
-        return "below tc", total
+        if not recollect:
+            return "below tc", total
+        if any((warp_counts(take, rank, nch) > cap).any() for rank in range(c)):
+            return "below tc, overflow", total
+        take = row >= np.float32(second_threshold(row, k, tc, total, recollect, thr.get("sample", SAMPLE)))
+        total = int(take.sum())
+        if total < min(k, row.size):
+            return "below tlo", total
+        prefix = "second: "
     fullest = 0
     for rank in range(c):
         wc = warp_counts(take, rank, nch)
         if (wc > cap).any():
-            return "overflow", total
+            return prefix + "overflow", total
         fullest = max(fullest, int(wc.max()))
+    if prefix:
+        return prefix + ("tile 128" if fullest <= 128 else "tile 256" if fullest <= 256 else
+                         "tile 512" if fullest <= 512 else f"{-(-fullest // 512)} tiles of 512"), total
     if fullest <= 128:
         return "tile 128", total
     if fullest <= 256:
@@ -139,6 +165,8 @@ def main():
     ap.add_argument("--margin", type=float, nargs="+", default=[0.0],
                     help="tc lowered by this many standard errors of the sample's quantile estimate (kernel: 0)")
     ap.add_argument("--sample", type=int, nargs="+", default=[SAMPLE], help="strided sample size (kernel: 256)")
+    ap.add_argument("--recollect", type=float, nargs="+", default=[RECOLLECT],
+                    help="rows below tc: the second collection's target rank, in k (kernel: 1.5; 0: none)")
     ap.add_argument("--band", type=float, nargs=2, action="append", metavar=("LO", "HI"),
                     help="instead: register-held rows' first band [center - LO sd, center + HI sd] (repeatable)")
     a = ap.parse_args()
@@ -154,16 +182,16 @@ def main():
         x = rows(a.rows_from, a.batch, a.n, a.rows, k)
         for f in a.factor:
             for m in a.margin:
-                for sm in a.sample:
+                for sm, rc in ((sm, rc) for sm in a.sample for rc in a.recollect):
                     paths = {}
                     ratios = []
                     for row in x:
-                        path, total = replay(row, k, c, nch, cap, factor=f, margin=m, sample=sm)
+                        path, total = replay(row, k, c, nch, cap, rc, factor=f, margin=m, sample=sm)
                         paths[path] = paths.get(path, 0) + 1
                         ratios.append(total / k)
                     shown = ", ".join(f"{p}: {n}" for p, n in sorted(paths.items()))
                     q = np.percentile(ratios, [0, 50, 100])
-                    print(f"  k={k} factor {f} margin {m} sample {sm}: collected {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} k "
+                    print(f"  k={k} factor {f} margin {m} sample {sm} recollect {rc}: collected {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} k "
                           f"(min / median / max); rows per path: {shown}", flush=True)
 
 

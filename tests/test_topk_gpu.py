@@ -257,15 +257,21 @@ def test_streamed_geometries(B, N):
 
 
 def test_streamed_collection_fallbacks():
-    # The streamed kernel collects the elements at or above a threshold during its first pass and
-    # reads them instead of the row afterwards. Its two fallbacks must give the same sets:
+    # The streamed kernel collects the elements at or above a threshold tc (the strided sample's normal
+    # estimate of the 1.15 k-th value) during its first pass and reads them instead of the row afterwards.
+    # Its other paths must give the same sets (scripts/topk_pairs_replay.py replays which rows take which):
     # (1) a warp's segment overflows (k = 60000 of 262144 at B=64: ~35K collected per CTA, whose
-    #     warps hold 1024 pairs each);
-    # (2) the k-th value lies below the threshold (half the row tied at 5.0 under a bimodal sample
-    #     whose normal-quantile estimate lands far above it); plus the plain path for contrast;
+    #     warps hold 1024 pairs each): the rounds re-read the row;
+    # (2) a constant sample (every strided entry tied at 5.0, the k-th value too): no threshold, the
+    #     rounds read the row;
     # (3) the pairs' first bins (256 over [threshold, threshold + 3 sample sd), counted before the
     #     exchange) put the k-th in the top bin: 4096 scores per row in [50, 60] in steps of 0.5
-    #     (tied) far above a threshold near 19, so that the rounds go on from the pairs.
+    #     (tied) far above a threshold near 19, so that the rounds go on from the pairs;
+    # (4) fewer than k at or above tc: a second pass collects [tlo, tc) (k = 2048 of N(0, 1) rows: a fifth
+    #     of them); "gap": the unsampled scores of (1.0, 2.6) moved 3.0 down, so that the second pass
+    #     too leaves fewer than k (the search goes on below tlo from the row, its band empty at first);
+    #     "lump": the unsampled scores above 0.9 tied at 2.25 under a tc near 2.5, so that the second
+    #     pass overflows the segments (a few rows' tc lies under 2.25: the first pass overflows).
     B, N = 64, 262144
     x = data.iid_scores(B, N, dist="normal", seed=11)
     tied = x.copy()
@@ -274,12 +280,26 @@ def test_streamed_collection_fallbacks():
     rng = np.random.default_rng(5)
     for r in range(B):
         heavy[r, rng.choice(N, 4096, replace=False)] = np.round(rng.uniform(50, 60, 4096) * 2) / 2
-    for scores, k in ((x, 60000), (tied, 2048), (heavy, 2048), (x, 2048)):
+    sampled = np.zeros(N, bool)
+    sampled[(np.arange(256) * N) // 256] = True  # the kernel's strided sample
+    gap = x.copy()
+    gap[(gap > 1.0) & (gap < 2.6) & ~sampled] -= 3.0
+    lump = x.copy()
+    lump[(lump > 0.9) & ~sampled] = 2.25
+    for scores, k in ((x, 60000), (tied, 2048), (heavy, 2048), (x, 2048), (gap, 2048), (lump, 2048)):
         want = cpu_result(scores, k)
         xg = gpu(scores)
         for prev in (None, gpu(want)):
             got = gvr.topk_decode(xg, k, prev_topk=prev, method="gvr")
             assert_same_sets(got.cpu().numpy(), want, f"k={k} prev={prev is not None}")
+    # (4) with ragged lengths and half-precision scores: tc, tlo and the counts per row length
+    lengths = data.ragged_lengths(B, N, seed=4).astype(np.int32)
+    for dtype in ("float16", "bfloat16"):
+        for scores in (x, gap):
+            xg = gpu(scores).to(getattr(torch, dtype))
+            want = cpu_result(xg.float().cpu().numpy(), 2048, lengths=lengths)
+            got = gvr.topk_decode(xg, 2048, lengths=gpu(lengths), method="gvr")
+            assert_same_sets(got.cpu().numpy(), want, f"{dtype} ragged")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

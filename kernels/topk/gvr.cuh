@@ -37,7 +37,9 @@
  *    collects the (key, index) pairs at or above it into per-warp shared-memory segments at offsets
  *    from a warp scan of per-thread bit masks: no histogram and no shared atomics, so it runs at the speed of the loads. When at
  *    least kk lie at or above tc and no warp overflowed, the rounds and the output read the pairs,
- *    not the row (one pass over the row in all); otherwise they re-read the row. Each CTA bins its
+ *    not the row (one pass over the row in all). Fewer than kk (the sample overshot): a second pass
+ *    (collect_between) appends the elements of a band [tlo, tc) below, then the same from the pairs.
+ *    Otherwise (an overflowed segment, or fewer than kk above tlo too) they re-read the row. Each CTA bins its
  *    pairs before the exchange that tells whether they hold the k-th, so that the first round's
  *    counts travel with it. The passes over the pairs use tiles sized to them (PAIR_VEC), and the
  *    collection drops its per-element branch where it collects a dense share (COLLECT_DENSE).
@@ -82,7 +84,21 @@ constexpr int MAX_VALUE_ROUNDS = 4;
  * slower, benchmarks/RESULTS.md). */
 constexpr int PRED_STATS = 256;
 constexpr int PRED_PER_THREAD = (PRED_STATS + THREADS - 1) / THREADS;
-constexpr int SAMPLE = 256;
+/* A/B switches: the sample's size, and the streamed threshold tc lowered by GVR_TC_MARGIN standard errors
+ * of the sample's quantile estimate, sd sqrt((1 + z^2 / 2) / m) (0: tc at the estimate). Measured, H100
+ * (benchmarks/RESULTS.md, sessions 25-26): a margin trades the decode-trace rows' speed (more pairs) for
+ * fewer i.i.d. rows below tc; SAMPLE 512 with a margin of 2 put none of 64 such rows there (B=64 64K 33.1
+ * -> 13.8 us) but cost trace rows up to 1.4 us (B=8 256K 12.6 -> 13.9); a margin of 1 with the second
+ * collection below: trace rows 0.1-0.5 us slower, i.i.d. ones no faster (a B=64 batch still holds a row
+ * below tc). */
+#ifndef GVR_SAMPLE
+#define GVR_SAMPLE 256
+#endif
+#ifndef GVR_TC_MARGIN
+#define GVR_TC_MARGIN 0.0f
+#endif
+constexpr int SAMPLE = GVR_SAMPLE;
+constexpr float TC_MARGIN = GVR_TC_MARGIN;
 /* first-round band half-widths in standard deviations of the predicted scores / of the sample */
 constexpr float PRED_SPREAD = 2.5f, SAMPLE_SPREAD = 1.5f;
 /* register-held rows: count the first round on the raw floats and convert to keys after it (true),
@@ -110,6 +126,25 @@ constexpr int PAIR_VEC = GVR_PAIR_VEC;
 #define GVR_COLLECT_DENSE 80
 #endif
 constexpr int COLLECT_DENSE = GVR_COLLECT_DENSE;
+/* streamed rows, fewer than kk at or above tc (the sample's estimate overshot the k-th value: 19-31% of
+ * i.i.d. N(0, 1) rows at k = 2048, scripts/topk_pairs_replay.py; a batch waits for its slowest row): a
+ * second collection pass (collect_between) appends the elements of [tlo, tc) to the warps' segments, tlo
+ * placed by the sample's normal model so that RECOLLECT * kk lie at or above it, from the exact count
+ * above tc, and the search goes on from the pairs as after a first pass that held the kk-th. Without it
+ * (RECOLLECT 0, A/B builds) the search went on below tc from the row: rounds over a band of 3 sd under
+ * tc with most of the row in it. H100 (session 26), k = 2048, i.i.d. rows: B=64 64K 33.1 -> 21.1 us,
+ * 128K 57.9 -> 30.7, 256K 102.8 -> 47.5, B=8 256K 30.6 -> 18.2; decode-trace rows (none below tc) B=64
+ * 64K, 128K 0.15-0.2 us slower (code generation), others within 0.05. RECOLLECT_AHEAD 2 (two chunks
+ * in flight): i.i.d. rows 0.1-1.0 us slower. */
+#ifndef GVR_RECOLLECT
+#define GVR_RECOLLECT 1.5f
+#endif
+constexpr float RECOLLECT = GVR_RECOLLECT;
+/* the second collection's chunks in flight ahead of the one it compares (registers) */
+#ifndef GVR_RECOLLECT_AHEAD
+#define GVR_RECOLLECT_AHEAD 1
+#endif
+constexpr int RECOLLECT_AHEAD = GVR_RECOLLECT_AHEAD;
 
 /* Deterministic block sum of M <= 8 floats, one barrier: warp sums (fixed shuffle tree), then every
  * thread adds the warp sums in warp order itself (the same order everywhere: identical results).
@@ -284,6 +319,56 @@ __device__ __forceinline__ int out_class(uint32_t key, int idx, uint32_t ka, uin
         const unsigned long long ck = composite(key, idx);
         return ck > Z ? 2 : ck >= A ? 1 : 0;
     }
+}
+
+/* Streamed rows, the second collection (RECOLLECT): this thread's elements of [lo, hi) (NaN and the
+ * NaN fill outside the row fail the compare) appended to its warp's segment after the warp's `wcount`
+ * pairs, as the first pass places them (warp scan of the counts: deterministic), the chunks of
+ * positions [seg, seg + my_nch P) read directly, the next one's loads in flight. Out of line, so
+ * that the kernel's hot passes keep the registers and the code they had without it (inlined, its
+ * ring pass put the first pass's B=64 64K, 128K rows 0.3-0.5 us slower, H100, session 26). Returns
+ * the warp's count and this thread's largest key collected (0: none). */
+template <typename T, int VEC>
+__device__ __noinline__ uint2 collect_between(const T *__restrict__ xr, int L, int seg, int my_nch, float lo, float hi,
+                                              uint2 *wseg, int seg_cap, int wcount)
+{
+    constexpr int P = RowTile<VEC>::P;
+    uint32_t kmax = 0u;
+    RowTile<VEC> nxt[RECOLLECT_AHEAD]; /* chunks c + 1 .. c + RECOLLECT_AHEAD */
+#pragma unroll
+    for (int a = 0; a < RECOLLECT_AHEAD; a++)
+        if (a < my_nch)
+            nxt[a].load_raw_at(xr, L, seg + a * P);
+    for (int c = 0; c < my_nch; c++) {
+        const RowTile<VEC> cur = nxt[0];
+#pragma unroll
+        for (int a = 0; a + 1 < RECOLLECT_AHEAD; a++)
+            nxt[a] = nxt[a + 1];
+        if (c + RECOLLECT_AHEAD < my_nch)
+            nxt[RECOLLECT_AHEAD - 1].load_raw_at(xr, L, seg + (c + RECOLLECT_AHEAD) * P);
+        unsigned cm = 0u;
+#pragma unroll
+        for (int q = 0; q < RowTile<VEC>::NE; q++) {
+            const float v = __uint_as_float(cur.key[q]);
+            cm |= (v >= lo && !(v >= hi) ? 1u : 0u) << q;
+        }
+        const int n = __popc(cm);
+        const int incl = warp_inclusive_sum(n);
+        int pos = wcount + incl - n;
+        if (cm) {
+#pragma unroll
+            for (int q = 0; q < RowTile<VEC>::NE; q++)
+                if ((cm >> q) & 1u) {
+                    const uint32_t key = stored_key(__uint_as_float(cur.key[q]));
+                    if (pos < seg_cap)
+                        wseg[pos] = make_uint2(key, (uint32_t)cur.index(q >> 2, q & 3));
+                    kmax = key > kmax ? key : kmax;
+                    pos++;
+                }
+        }
+        wcount += __shfl_sync(0xFFFFFFFFu, incl, 31);
+    }
+    return make_uint2((uint32_t)wcount, kmax);
 }
 
 template <typename T, bool CLUSTER, int VEC, bool STREAM>
@@ -482,12 +567,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         const float ins = __frcp_rn(fmaxf(st[3], 1.f)), mds = st[4] * ins, mean_s = pivot + mds;
         const float sd_s = sqrtf(fmaxf(st[5] * ins - mds * mds, 0.f));
         const float frac = fminf(fmaxf(__fdividef(1.15f * (float)kk, (float)L), 1e-7f), 0.999999f);
-        float center = mean_s + sd_s * 1.41421356f * erfcinvf(2.f * frac); /* normal quantile of the sample */
+        const float zq = 1.41421356f * erfcinvf(2.f * frac);
+        float center = mean_s + sd_s * zq; /* normal quantile of the sample */
         float spread = SAMPLE_SPREAD * sd_s;
         /* streamed: the verify pass collects from the sample's estimate (a threshold from the previous
          * Top-K's statistics measured no faster, and where it mostly persists, 70-95% overlap, its
          * mean lies above the k-th value and left fewer than kk above it: a second pass) */
-        tc = center;
+        /* the estimate's standard error for a normal quantile from m values: sd sqrt((1 + z^2 / 2) / m) */
+        tc = center - TC_MARGIN * sd_s * sqrtf((1.f + 0.5f * zq * zq) * ins);
         if (st[0] >= 16.f) {
             const float inp = __frcp_rn(st[0]), mdp = st[1] * inp, mean_p = pivot + mdp;
             const float sd_p = sqrtf(fmaxf(st[2] * inp - mdp * mdp, 0.f));
@@ -658,8 +745,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         };
         /* the chunks from the ring, in order; a slot is refilled with the chunk NSL ahead once its
          * values are used (the copies are this thread's own: no barrier) */
-        if constexpr (STREAM) {
-            auto pass = [&](auto dense_c) {
+        auto pass = [&](auto dense_c) {
+            if constexpr (STREAM) {
                 for (int c = 0; c < my_nch; c++) {
                     stage_wait(NSL - 1); /* chunk c's group: at most the NSL - 1 later ones pending */
                     RowTile<VEC> cur;
@@ -670,19 +757,19 @@ __global__ void __launch_bounds__(THREADS, 1)
                     collect(cur, dense_c);
                     stage_copy(c + NSL);
                 }
-            };
-            if ((long long)kk * COLLECT_DENSE > L)
-                pass(std::true_type{});
-            else
-                pass(std::false_type{});
-            stage_wait(0); /* (empty groups) */
-        }
+                stage_wait(0); /* (empty groups) */
+            }
+        };
+        if ((long long)kk * COLLECT_DENSE > L)
+            pass(std::true_type{});
+        else
+            pass(std::false_type{});
         PROF(25);
         /* pre: this CTA's pairs binned over [tc, tc + band) (pairs are at or above tc: bins >= 1; the top
          * bin counted in registers); of use when the cluster's pairs hold the kk-th and no warp
          * overflowed (decided after the exchange), else the counts are dropped */
-        const float iwp = (float)(GVR_BINS - 2) * __frcp_rn(band);
         if (pre) {
+            const float iwp = (float)(GVR_BINS - 2) * __frcp_rn(band);
             __syncwarp(); /* the warp's pairs, written by its lanes */
             const int n = wcount < seg_cap ? wcount : seg_cap;
             int top = 0;
@@ -703,29 +790,65 @@ __global__ void __launch_bounds__(THREADS, 1)
                 Cnt::add(s.hist, GVR_BINS - 1, (uint32_t)top);
             PROF(26);
         }
-        const int fo = pre ? HW : 0; /* the flag words: behind the bins, or alone */
-        kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
-        if (lane == 0) {
-            if (wcount > seg_cap)
-                atomicOr(&s.hist[fo], 1u);
-            if (wcount)
-                atomicAdd(&s.hist[fo + 1], (uint32_t)wcount);
-            atomicMax(&s.hist[fo + 2], kmax);
-            atomicMax(&s.hist[fo + 3], (uint32_t)wcount);
-        }
-        __syncthreads();
-        PROF(20);
-        exchange(fo + 4);
-        PROF(21);
+        /* each warp's flags into s.hist[fo, fo + 4), then the exchange: every CTA sums the same counts */
+        int fo = pre ? HW : 0; /* the flag words: behind the bins, or alone */
         int total = 0;
         bool over = false;
         uint32_t kmx = 0u;
-        for (int r = 0; r < C; r++) {
-            over |= s.recv[par][r][fo] != 0u;
-            total += (int)s.recv[par][r][fo + 1];
-            kmx = s.recv[par][r][fo + 2] > kmx ? s.recv[par][r][fo + 2] : kmx;
+        auto flags_exchange = [&]() {
+            kmax = __reduce_max_sync(0xFFFFFFFFu, kmax);
+            if (lane == 0) {
+                if (wcount > seg_cap)
+                    atomicOr(&s.hist[fo], 1u);
+                if (wcount)
+                    atomicAdd(&s.hist[fo + 1], (uint32_t)wcount);
+                atomicMax(&s.hist[fo + 2], kmax);
+                atomicMax(&s.hist[fo + 3], (uint32_t)wcount);
+            }
+            __syncthreads();
+            PROF(20);
+            exchange(fo + 4);
+            PROF(21);
+            total = 0;
+            over = false;
+            kmx = 0u;
+            for (int r = 0; r < C; r++) {
+                over |= s.recv[par][r][fo] != 0u;
+                total += (int)s.recv[par][r][fo + 1];
+                kmx = s.recv[par][r][fo + 2] > kmx ? s.recv[par][r][fo + 2] : kmx;
+            }
+        };
+        flags_exchange();
+        float tlo = tc; /* the second collection's threshold */
+        if (STREAM && RECOLLECT > 0.f && total < kk && !over) {
+            /* the second collection: tlo from the normal model's step from tc's exact tail share (total /
+             * L, at least half an element) to RECOLLECT kk / L, in the sample's standard deviations
+             * (streamed rows keep the sample's band: band = 2 SAMPLE_SPREAD sd); the same in every CTA.
+             * Taken when it lies below tc and its band map (the search below tlo) is valid. */
+            const float fl = __frcp_rn((float)L);
+            const float f0 = fminf(fmaxf(fmaxf((float)total, 0.5f) * fl, 1e-7f), 0.999999f);
+            const float f1 = fminf(fmaxf(RECOLLECT * (float)kk * fl, 1e-7f), 0.999999f);
+            const float step = band * (0.5f / SAMPLE_SPREAD) * 1.41421356f * (erfcinvf(2.f * f0) - erfcinvf(2.f * f1));
+            const float lo = tc - step;
+            if (step > 0.f && isfinite(lo) && lo < tc &&
+                value_layout_ok(lo - step, (float)(GVR_BINS - 2) * __frcp_rn(step))) {
+                tlo = lo;
+                if (t < fo + 4)
+                    s.hist[t] = 0u;
+                pre = false;
+                fo = 0;
+                par ^= 1;
+                __syncthreads(); /* s.hist zeroed before the second pass's counts */
+                const uint2 wk = collect_between<T, VEC>(xr, L, seg, my_nch, tlo, tc, wseg, seg_cap, wcount);
+                wcount = (int)wk.x;
+                kmax = wk.y > kmax ? wk.y : kmax;
+                PROF(27);
+                flags_exchange();
+            }
         }
-        const uint32_t kc = stored_key(tc);
+        /* thr: the lowest threshold collected from */
+        const float thr = tlo < tc ? tlo : tc;
+        const uint32_t kc = stored_key(thr);
         if (t < C) {
             const int cr = (int)s.recv[par][t][fo + 1];
             if (total >= kk) {
@@ -744,18 +867,19 @@ __global__ void __launch_bounds__(THREADS, 1)
             from_buf = STREAM && !over;
             buf_len = (int)s.recv[par][rank][fo + 3]; /* <= seg_cap when no warp overflowed */
             if (pre && from_buf) {
-                map = value_map(tc, iwp); /* the first round's counts are in s.recv[par] */
+                map = value_map(tc, (float)(GVR_BINS - 2) * __frcp_rn(band)); /* the first round's counts are in s.recv[par] */
                 have_hist = true;
             } else {
-                const float vmx = key_value(kmx), iw = (float)(GVR_BINS - 2) / (vmx - tc);
-                map = kmx < KEY_POS_INF && vmx > tc && value_layout_ok(tc, iw) ? value_map(tc, iw) : shift_map(A, Z);
+                const float vmx = key_value(kmx), iw = (float)(GVR_BINS - 2) / (vmx - thr);
+                map = kmx < KEY_POS_INF && vmx > thr && value_layout_ok(thr, iw) ? value_map(thr, iw) : shift_map(A, Z);
             }
         } else {
             Z = ((unsigned long long)kc << 32) - 1ull;
             above_total = total;
             cnt_in = L - total;
-            const float iw = (float)(GVR_BINS - 2) * __frcp_rn(band);
-            map = value_map(tc - band, iw); /* checked with verify */
+            /* below tc: a band of 3 sd (checked with verify); below tlo: one of its step (checked above) */
+            const float w = thr < tc ? tc - tlo : band;
+            map = value_map(thr - w, (float)(GVR_BINS - 2) * __frcp_rn(w));
         }
         if (!have_hist)
             par ^= 1;
