@@ -37,7 +37,8 @@
 #   topkedgesab  bench_topk_edges for the installed library and each carried build/ab_NAME.so.xz, interleaved
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
-#            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases)
+#            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases; PP_ARGS: more
+#            arguments, e.g. "--rows iid": i.i.d. rows, one below the streamed threshold first)
 #   attnsan  compute-sanitizer memcheck + racecheck on the attention cases
 #   fp8      fp8 (e4m3fn) caches: their GPU tests (tests/test_attention_fp8_gpu.py), all failures listed
 #   fp8bench bench_attention.py --quick (with its fp8 section) -> $OUT/results_attention_quick.json
@@ -400,7 +401,7 @@ profile() {  # per-phase clock stamps from debug libraries carried as build/prof
     name=$(basename "$g"); name=${name%.so.*}
     say "profile_phases ($name)"
     unpack "$g" /tmp/libprof.so || continue
-    (cd /tmp && timeout 120 $PY "$ROOT/scripts/profile_phases.py" /tmp/libprof.so ${PP_CASES:+--cases "$PP_CASES"}) 2>&1 | tee "$OUT/profile_$name.log" | tail -${PP_TAIL:-30}
+    (cd /tmp && timeout 120 $PY "$ROOT/scripts/profile_phases.py" /tmp/libprof.so ${PP_CASES:+--cases "$PP_CASES"} ${PP_ARGS:-}) 2>&1 | tee "$OUT/profile_$name.log" | tail -${PP_TAIL:-30}
   done
 }
 

@@ -33,6 +33,11 @@ def main():
     ap.add_argument("lib")
     ap.add_argument("--cases", default="32768 64,65536 64,131072 64,262144 64,32768 1,131072 1")
     ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--rows", choices=("trace", "iid"), default="trace",
+                    help="trace: one decode-trace row (45%% and 2%% overlap) repeated B times, with and without the hint; "
+                         "iid: B distinct N(0, 1) rows (quick_gpu_bench.py --rows iid's), without it, the first row "
+                         "one that the replay (topk_pairs_replay.py) puts below the streamed threshold, so that the "
+                         "stamps (CTA 0's) show the second collection (tag 27)")
     a = ap.parse_args()
     import importlib.util
     # the installed library's path, found without importing gvr (which would load it)
@@ -57,22 +62,47 @@ def run(a):
     k = a.k
     for case in a.cases.split(","):
         N, B = (int(v) for v in case.split())
+        if a.rows == "iid":
+            stamp(lib, torch.from_numpy(iid_below_first(data, N, B, k)).cuda(), k, dict(method="gvr"),
+                  f"N={N} B={B} iid {'gvr-noprev':10s}")
+            continue
         for ov in (0.45, 0.02):
             tr = data.decode_trace_batch(1, N, 2, k=k, overlap=ov, seed=1)
             prev = torch.from_numpy(gvr.topk_decode(tr[0][0], k)).cuda()
             x = torch.from_numpy(np.tile(tr[1][0][:N], (B, 1))).cuda()
             pb = prev.expand(B, k).contiguous()
             for label, kw in (("gvr+prev", dict(prev_topk=pb, method="gvr")), ("gvr-noprev", dict(method="gvr"))):
-                for _ in range(3):
-                    gvr.topk_decode(x, k, **kw)
-                torch.cuda.synchronize()
-                buf = (ctypes.c_longlong * (64 + 2 * SPANS))()
-                lib.gvr_debug_clocks(buf)
-                n = buf[63]
-                t0 = buf[0] // 100
-                st = " ".join(f"{buf[i] % 100}:{buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)}" for i in range(n))
-                print(f"N={N} B={B} ov={ov} {label:10s} tag:cycles {st}", flush=True)
-                print("    " + spans(buf), flush=True)
+                stamp(lib, x, k, kw, f"N={N} B={B} ov={ov} {label:10s}")
+
+
+def stamp(lib, x, k, kw, title):
+    """three calls, then the last one's stamps (tag:cycles from the start) and CTA spans"""
+    import torch
+    import gvr
+    for _ in range(3):
+        gvr.topk_decode(x, k, **kw)
+    torch.cuda.synchronize()
+    buf = (ctypes.c_longlong * (64 + 2 * SPANS))()
+    lib.gvr_debug_clocks(buf)
+    n = buf[63]
+    t0 = buf[0] // 100
+    st = " ".join(f"{buf[i] % 100}:{buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)}" for i in range(n))
+    print(f"{title} tag:cycles {st}", flush=True)
+    print("    " + spans(buf), flush=True)
+
+
+def iid_below_first(data, n, b, k):
+    """quick_gpu_bench.py's i.i.d. rows (seed 5), the first one that falls below the streamed kernel's sample
+    threshold (NumPy replay of the kernel's tc) swapped to row 0"""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from topk_pairs_replay import threshold
+    x = data.iid_scores(b, n, seed=5)
+    below = [r for r in range(b) if int((x[r] >= np.float32(threshold(x[r], k))).sum()) < min(k, n)]
+    if below:
+        x[[0, below[0]]] = x[[below[0], 0]]
+    print(f"N={n} B={b} iid: {len(below)} of {b} rows below tc (replayed); row 0 "
+          f"{'is one' if below else 'is not'}", flush=True)
+    return x
 
 
 def spans(buf):
