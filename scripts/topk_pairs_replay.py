@@ -113,14 +113,8 @@ def replay(row, k, c, nch, cap, recollect=RECOLLECT, **thr):
         if (wc > cap).any():
             return prefix + "overflow", total
         fullest = max(fullest, int(wc.max()))
-    if prefix:
-        return prefix + ("tile 128" if fullest <= 128 else "tile 256" if fullest <= 256 else
-                         "tile 512" if fullest <= 512 else f"{-(-fullest // 512)} tiles of 512"), total
-    if fullest <= 128:
-        return "tile 128", total
-    if fullest <= 256:
-        return "tile 256", total
-    return ("tile 512" if fullest <= 512 else f"{-(-fullest // 512)} tiles of 512"), total
+    tile = next((f"tile {w}" for w in (128, 256, 512) if fullest <= w), f"{-(-fullest // 512)} tiles of 512")
+    return prefix + tile, total
 
 
 def band_stats(x, k, bands):

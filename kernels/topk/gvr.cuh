@@ -134,17 +134,12 @@ constexpr int COLLECT_DENSE = GVR_COLLECT_DENSE;
  * (RECOLLECT 0, A/B builds) the search went on below tc from the row: rounds over a band of 3 sd under
  * tc with most of the row in it. H100 (session 26), k = 2048, i.i.d. rows: B=64 64K 33.1 -> 21.1 us,
  * 128K 57.9 -> 30.7, 256K 102.8 -> 47.5, B=8 256K 30.6 -> 18.2; decode-trace rows (none below tc) B=64
- * 64K, 128K 0.15-0.2 us slower (code generation), others within 0.05. RECOLLECT_AHEAD 2 (two chunks
- * in flight): i.i.d. rows 0.1-1.0 us slower. */
+ * 64K, 128K 0.15-0.2 us slower (code generation), others within 0.05. Two chunks in flight (an array of
+ * tiles shifted by register moves, which wait for the loads): i.i.d. rows 0.1-1.0 us slower. */
 #ifndef GVR_RECOLLECT
 #define GVR_RECOLLECT 1.5f
 #endif
 constexpr float RECOLLECT = GVR_RECOLLECT;
-/* the second collection's chunks in flight ahead of the one it compares (registers) */
-#ifndef GVR_RECOLLECT_AHEAD
-#define GVR_RECOLLECT_AHEAD 1
-#endif
-constexpr int RECOLLECT_AHEAD = GVR_RECOLLECT_AHEAD;
 
 /* Deterministic block sum of M <= 8 floats, one barrier: warp sums (fixed shuffle tree), then every
  * thread adds the warp sums in warp order itself (the same order everywhere: identical results).
@@ -334,18 +329,13 @@ __device__ __noinline__ uint2 collect_between(const T *__restrict__ xr, int L, i
 {
     constexpr int P = RowTile<VEC>::P;
     uint32_t kmax = 0u;
-    RowTile<VEC> nxt[RECOLLECT_AHEAD]; /* chunks c + 1 .. c + RECOLLECT_AHEAD */
-#pragma unroll
-    for (int a = 0; a < RECOLLECT_AHEAD; a++)
-        if (a < my_nch)
-            nxt[a].load_raw_at(xr, L, seg + a * P);
+    RowTile<VEC> nxt;
+    if (my_nch > 0)
+        nxt.load_raw_at(xr, L, seg);
     for (int c = 0; c < my_nch; c++) {
-        const RowTile<VEC> cur = nxt[0];
-#pragma unroll
-        for (int a = 0; a + 1 < RECOLLECT_AHEAD; a++)
-            nxt[a] = nxt[a + 1];
-        if (c + RECOLLECT_AHEAD < my_nch)
-            nxt[RECOLLECT_AHEAD - 1].load_raw_at(xr, L, seg + (c + RECOLLECT_AHEAD) * P);
+        const RowTile<VEC> cur = nxt;
+        if (c + 1 < my_nch)
+            nxt.load_raw_at(xr, L, seg + (c + 1) * P);
         unsigned cm = 0u;
 #pragma unroll
         for (int q = 0; q < RowTile<VEC>::NE; q++) {
