@@ -322,6 +322,47 @@ def test_streamed_pair_tiles(dtype):
             assert_same_sets(got.cpu().numpy(), want, f"{dtype} N={N} k={k}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("B", (64, 40, 16))
+def test_streamed_segment_edges(B, dtype):
+    # A streamed row's positions (aligned coordinates: element i at position i + its start's phase s
+    # in a 16-byte vector) are split over the row's C CTAs: CTA r owns [r S, r S + S), S = nch chunks
+    # of 8192 positions (nch = ceil(chunks / C), chunks of the launch's longest row plus 3 for an odd
+    # stride), or, in scripts/patches/topk_even_split.diff, S = 4 ceil(ceil((L + s) / C) / 4) with loads
+    # bounded by the next CTA's first element. C is 2 at B=64, 3 at B=40 and 8 at B=16 on a 132-SM
+    # H100 (other GPUs: other C). The largest scores and runs of ties sit on both sides of every split
+    # point of either kind for each C of 1-8, in rows of lengths just past and before chunk and cluster
+    # multiples, at every phase (an odd row stride): an element read by two CTAs or by none changes the set.
+    N = 262144 + 9
+    W = N + 3
+    P = 8192
+    rng = np.random.default_rng(B)
+    flat = rng.standard_normal(B * W + 8).astype(np.float32)
+    flat[::5] = np.round(flat[::5], 1)
+    lengths = data.ragged_lengths(B, N, seed=B).astype(np.int32)
+    picks = (N, N - 9, 262145, 262143, 131073, 131071, 131075, 100000, 196609, 8192 * 24 + 1, 65537, 16385 * 2)
+    lengths[: len(picks)] = picks
+    chunks = -(-(N + 3) // P)
+    for b in range(B):
+        st, n = b * W, int(lengths[b])
+        s = st % 4  # the row's phase (the buffer starts on a vector boundary)
+        for C in range(1, 9):
+            q = -(-(n + s) // C)
+            for S in (-(-chunks // C) * P, -(-q // 4) * 4):
+                for r in range(1, C):
+                    i = r * S - s  # the first element of CTA r
+                    if 1 <= i < n - 1:
+                        flat[st + i - 1 : st + i + 1] = 40.0 + (b % 3) if C % 2 else 30.0 + r
+    full = torch.from_numpy(flat).to(getattr(torch, dtype))
+    view = full.cuda().as_strided((B, N), (W, 1), 0)
+    ref = np.lib.stride_tricks.as_strided(full.float().numpy(), (B, N), (4 * W, 4)).copy()
+    for k in (64, 2048):
+        want = cpu_result(ref, k, lengths=lengths)
+        for m in ("auto", "gvr"):
+            got = gvr.topk_decode(view, k, lengths=gpu(lengths), method=m)
+            assert_same_sets(got.cpu().numpy(), want, f"{dtype} B={B} k={k} {m}")
+
+
 def test_rows_beyond_the_radix_limit():
     # the GVR kernel streams rows of any length; the radix path holds at most 16 * 32768 per row
     N = 600001

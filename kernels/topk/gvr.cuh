@@ -836,9 +836,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 flags_exchange();
             }
         }
-        /* thr: the lowest threshold collected from */
-        const float thr = tlo < tc ? tlo : tc;
-        const uint32_t kc = stored_key(thr);
+        /* tlo (<= tc): the lowest threshold collected from */
+        const uint32_t kc = stored_key(tlo);
         if (t < C) {
             const int cr = (int)s.recv[par][t][fo + 1];
             if (total >= kk) {
@@ -860,16 +859,16 @@ __global__ void __launch_bounds__(THREADS, 1)
                 map = value_map(tc, (float)(GVR_BINS - 2) * __frcp_rn(band)); /* the first round's counts are in s.recv[par] */
                 have_hist = true;
             } else {
-                const float vmx = key_value(kmx), iw = (float)(GVR_BINS - 2) / (vmx - thr);
-                map = kmx < KEY_POS_INF && vmx > thr && value_layout_ok(thr, iw) ? value_map(thr, iw) : shift_map(A, Z);
+                const float vmx = key_value(kmx), iw = (float)(GVR_BINS - 2) / (vmx - tlo);
+                map = kmx < KEY_POS_INF && vmx > tlo && value_layout_ok(tlo, iw) ? value_map(tlo, iw) : shift_map(A, Z);
             }
         } else {
             Z = ((unsigned long long)kc << 32) - 1ull;
             above_total = total;
             cnt_in = L - total;
             /* below tc: a band of 3 sd (checked with verify); below tlo: one of its step (checked above) */
-            const float w = thr < tc ? tc - tlo : band;
-            map = value_map(thr - w, (float)(GVR_BINS - 2) * __frcp_rn(w));
+            const float w = tlo < tc ? tc - tlo : band;
+            map = value_map(tlo - w, (float)(GVR_BINS - 2) * __frcp_rn(w));
         }
         if (!have_hist)
             par ^= 1;
