@@ -48,6 +48,9 @@
 #   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases (prrsan, spardasan: on theirs)
 #   calib    the EMA calibration on CUDA: its GPU tests and its time (T 4096 x Nb 2048, k 64)
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
+#   topkabq  an A/B of whole libraries (installed + carried build/ab_*.so.xz): the quick table's gvr column, rows
+#            of N and N + 1, traces generated once; build/prebuilt.so.xz, when carried, is installed instead of a build
+#   testsan  every GPU test over pytest-xdist workers (wheels carried in .whl) beside the sanitizer on $SAN_CASES
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   topkvar  variants of the streamed gvr kernel (TOPK_VARIANTS="name:-DMACRO=v ...[|patch.diff];..."), built here and
@@ -74,8 +77,18 @@ build() {
   if [ "$(cat /tmp/gvr_built 2>/dev/null)" = "$digest" ]; then echo "build: up to date ($digest)"; return 0; fi
   say "build (GVR_CUDA_ARCHS=$GVR_CUDA_ARCHS)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
-  local tb=$SECONDS
-  $PY -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; local rc=$?
+  local tb=$SECONDS rc
+  if [ -e build/prebuilt.so.xz ]; then
+    # a libgvr_cuda.so built on the development machine and carried (scripts/variant_lib.sh's way: same C ABI, sm_90a):
+    # only the C extension is built here (seconds, not the CUDA build's minutes of device time)
+    GVR_SKIP_CUDA=1 GVR_REQUIRE_CUDA=0 $PY -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; rc=$?
+    if [ $rc = 0 ]; then
+      local lib; lib=$(installed_lib); mkdir -p "$(dirname "$lib")"
+      unpack build/prebuilt.so.xz "$lib" && echo "gvr build: ✓ prebuilt build/prebuilt.so.xz -> $lib" | tee -a "$OUT/build.log" || rc=1
+    fi
+  else
+    $PY -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; rc=$?
+  fi
   grep -E "gvr build" "$OUT/build.log" | sed 's/^ *//' | tail -20
   echo "pip install: exit $rc in $((SECONDS - tb)) s"
   [ $rc = 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
@@ -475,6 +488,54 @@ for path in runs:
 PYEOF
 }
 
+topkabq() {  # A/B of whole libraries, interleaved: the installed one (main) and each carried build/ab_NAME.so.xz, the
+  # quick table's gvr column at N $AB_N (default 64K-256K) + each of $AB_EXTRA (default "0 1": aligned rows, then rows
+  # of N + 1 at every phase), B $AB_B (default 8 64), $AB_REPEAT rounds (default 2), the rows generated once
+  # (--cache) -> $OUT/abq.log, abq_compare.log (JSON under /tmp/abq: few files come back from a run)
+  say "topk A/B (cached traces)"
+  rm -rf /tmp/abq; mkdir -p /tmp/abq
+  local q="$ROOT/scripts/quick_gpu_bench.py --n ${AB_N:-65536 131072 262144} --extra ${AB_EXTRA:-0 1} --batch ${AB_B:-8 64} --overlap 0.45 --cols gvr --cache /tmp/abq/cache ${AB_ARGS:-}"
+  abq_run() { (cd /tmp && timeout 150 $PY $q --json "/tmp/abq/$1_$2.json") >> "$OUT/abq.log" 2>&1; }
+  AB_REPEAT=${AB_REPEAT:-2} with_each_lib abq_run
+  $PY - <<'PYEOF' 2>&1 | tee "$OUT/abq_compare.log"
+import collections, glob, json, os
+t, names = collections.defaultdict(lambda: collections.defaultdict(list)), []
+for path in sorted(glob.glob("/tmp/abq/*.json"), key=os.path.getmtime):
+    name = os.path.basename(path)[:-5].rsplit("_", 1)[0]
+    names += [name] if name not in names else []
+    for r in json.load(open(path))["rows"]:
+        t[(r["b"], r["n"])][name].append(r["gvr"])
+print("gvr column, us (min-max over the rounds); cells: B, N")
+print(f"{'B':>3s} {'N':>7s} " + " ".join(f"{x:>13s}" for x in names))
+for (b, n), d in sorted(t.items()):
+    print(f"{b:3d} {n:7d} " + " ".join(f"{min(d[x]):6.2f}-{max(d[x]):6.2f}" if d[x] else f"{'-':>13s}" for x in names))
+PYEOF
+}
+
+testsan() {  # every GPU test over $TEST_WORKERS pytest-xdist workers (default 6; the wheels carried in .whl) beside
+  # compute-sanitizer memcheck on the $SAN_CASES cases (default topk), then racecheck on them alone (beside 8
+  # workers the topk racecheck did not finish in 330 s, H200, session 27) -> $OUT/pytest_gpu.log, sanitizer_*.log.
+  # Without xdist: one pytest process. Not for timings (the GPU is shared).
+  local xd=""
+  if ls .whl/pytest_xdist-*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site \
+      && xd="-n ${TEST_WORKERS:-6} --dist load"
+  fi
+  say "GPU tests (all, ${xd:-one process}) beside compute-sanitizer memcheck (${SAN_CASES:-topk})"
+  (cd tests && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -m gpu -rfEs --maxfail=40 $xd .) > "$OUT/pytest_gpu.log" 2>&1 &
+  local pt=$! c tool
+  san_one() {
+    (cd /tmp && timeout ${SAN_TIMEOUT:-400} compute-sanitizer --tool $2 --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$2.log" 2>&1
+    echo "compute-sanitizer $1 $2: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$2.log") clean summaries)"; tail -2 "$OUT/sanitizer_$1_$2.log"
+  }
+  (for c in ${SAN_CASES:-topk}; do san_one $c memcheck; done) &
+  local sm=$!
+  wait $pt; echo "pytest: exit $?"; tail -25 "$OUT/pytest_gpu.log"
+  wait $sm
+  say "compute-sanitizer racecheck (${SAN_CASES:-topk})"
+  for c in ${SAN_CASES:-topk}; do san_one $c racecheck; done
+}
+
 topkvar() {  # variants of the streamed gvr kernel built on this machine from the installed build's objects
   # (TOPK_VARIANTS="name:-DMACRO=v -DMACRO=v;name2:...", the kernel's A/B macros; optional |PATCH.diff after
   # the flags; $TOPK_ONLY: the objects rebuilt, default the streamed ones 'topk/gvr_stream_*.cu'), then topkab against
@@ -629,6 +690,8 @@ for mode in "${@:-check}"; do
     fp8bench) fp8bench ;;
     fp8all) fp8all ;;
     topkab) topkab ;;
+    topkabq) topkabq ;;
+    testsan) testsan ;;
     attncpu) attncpu ;;
     calib) calib ;;
     topktests) topktests ;;

@@ -2,13 +2,16 @@
 """Quick CUDA timing table of gvr.topk_decode (CUDA graphs of --calls back-to-back calls, warm L2):
 gvr+prev / gvr / radix (/ torch.topk) per (N, overlap, B), for kernel iteration and before/after tables.
 
-    python scripts/quick_gpu_bench.py [--n 4096 65536 ...] [--batch 1 8 64] [--extra 0] [--torch] [--json PATH]
+    python scripts/quick_gpu_bench.py [--n 4096 65536 ...] [--batch 1 8 64] [--extra 0 1] [--torch] [--json PATH]
+        [--cols gvr ...] [--cache DIR]
     python scripts/quick_gpu_bench.py --compare OLD.json NEW.json [NEWER.json ...]    (no GPU needed)
 
 Runs against any installed gvr with the Python API gvr.topk_decode(x, k, prev_topk=, out=, method=)
 (older builds included: the timing harness is loaded by file path from this checkout, not from gvr).
 Rows are decode-trace steps (gvr.data.decode_trace, seed 1) tiled over B; --extra e times rows of
-N + e elements (contiguous, so a row stride that is not a multiple of 4 floats misaligns the rows).
+N + e elements (contiguous, so a row stride that is not a multiple of 4 floats misaligns the rows;
+several values: each in turn). --cache DIR keeps the generated rows and hints as .npy files there (an
+A/B runs this script once per library: the traces' calibration is then paid once); --cols picks columns.
 --rows iid times B distinct N(0, 1) rows instead (gvr.data.iid_scores, seed 5; the hint: the Top-K of
 another draw; --overlap is not used): a batch is as slow as its slowest row, and tiled rows hide that.
 """
@@ -31,7 +34,10 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072, 262144], help="row lengths N")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B")
     p.add_argument("--overlap", type=float, nargs="+", default=[0.45, 0.02], help="target step-to-step Top-K overlaps")
-    p.add_argument("--extra", type=int, default=0, help="time rows of N + EXTRA elements")
+    p.add_argument("--extra", type=int, nargs="+", default=[0], help="time rows of N + EXTRA elements (each value)")
+    p.add_argument("--cols", nargs="+", choices=COLS, default=["gvr_prev", "gvr", "radix"],
+                   help="the columns timed (torch also with --torch)")
+    p.add_argument("--cache", metavar="DIR", help="load the rows and hints from DIR, or generate and save them there")
     p.add_argument("--rows", choices=("tiled", "iid"), default="tiled",
                    help="tiled: one decode-trace row per (N, overlap) repeated B times; iid: B distinct N(0, 1) rows")
     p.add_argument("--k", type=int, default=2048)
@@ -87,34 +93,50 @@ def main(argv=None):
           f"gvr+prev and gvr: method={a.method!r}", flush=True)
     timer = H.CudaTimer(torch, flush_bytes=0)
     k, rows = a.k, []
-    for n0 in a.n:
-        n = n0 + a.extra
+
+    def cached(name, make):
+        """make() (a NumPy array), or its copy saved in --cache DIR under name"""
+        path = os.path.join(a.cache, name + ".npy") if a.cache else None
+        if path and os.path.exists(path):
+            return np.load(path)
+        arr = np.asarray(make())
+        if path:
+            os.makedirs(a.cache, exist_ok=True)
+            np.save(path + ".tmp.npy", arr)
+            os.replace(path + ".tmp.npy", path)
+        return arr
+
+    for n in [n0 + e for n0 in a.n for e in a.extra]:
         for ov in (a.overlap if a.rows == "tiled" else [0.0]):
             if a.rows == "tiled":
-                tr = list(data.decode_trace(n, 2, k=k, overlap=ov, seed=1))
-                x0, x1 = tr[0][:n], tr[1][:n]
-                prev = torch.from_numpy(np.asarray(gvr.topk_decode(x0, k))).cuda()
+                def trace(n=n, ov=ov):
+                    tr = list(data.decode_trace(n, 2, k=k, overlap=ov, seed=1))
+                    return np.stack([tr[0][:n], tr[1][:n]])
+                x01 = cached(f"trace_{n}_{ov:.2f}_{k}", trace)
+                x1 = x01[1]
+                prev = torch.from_numpy(cached(f"hint_{n}_{ov:.2f}_{k}", lambda: gvr.topk_decode(x01[0], k))).cuda()
             for b in a.batch:
                 if a.rows == "tiled":
                     xg = torch.from_numpy(np.tile(x1, (b, 1))).cuda()
                     pb = prev.expand(b, k).contiguous()
                 else:
-                    xg = torch.from_numpy(data.iid_scores(b, n, seed=5)).cuda()
-                    pb = torch.from_numpy(np.asarray(gvr.topk_decode(data.iid_scores(b, n, seed=6), k))).cuda()
+                    xg = torch.from_numpy(cached(f"iid_{b}_{n}_5", lambda: data.iid_scores(b, n, seed=5))).cuda()
+                    pb = torch.from_numpy(cached(f"iidhint_{b}_{n}_{k}", lambda: gvr.topk_decode(data.iid_scores(b, n, seed=6), k))).cuda()
                 out = torch.empty((b, k), dtype=torch.int32, device="cuda")
                 fns = {
                     "gvr_prev": lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out, method=a.method),
                     "gvr": lambda: gvr.topk_decode(xg, k, out=out, method=a.method),
                     "radix": lambda: gvr.topk_decode(xg, k, out=out, method="radix"),
                 }
+                fns = {c: f for c, f in fns.items() if c in a.cols}
                 if a.torch:
                     fns["torch"] = lambda: torch.topk(xg, k, dim=-1, sorted=False)
                 r = {"n": n, "overlap": ov, "b": b, "rows": a.rows}
                 for name, fn in fns.items():
                     r[name] = timer.graph(fn, a.calls, a.replays)["median_us"]
                 rows.append(r)
-                print(f"N={n:7d} ov={ov:.2f} B={b:3d}  gvr+prev {r['gvr_prev']:7.2f}  gvr-noprev {r['gvr']:7.2f}  "
-                      f"radix {r['radix']:7.2f}  torch {r.get('torch', float('nan')):7.2f} us", flush=True)
+                print(f"N={n:7d} ov={ov:.2f} B={b:3d}  " + "  ".join(
+                    f"{c} {r[c]:7.2f}" for c in ("gvr_prev", "gvr", "radix", "torch") if c in r) + " us", flush=True)
     if a.json:
         H.write_json(a.json, {"meta": meta, "rows": rows})
         print(f"# wrote {a.json}")
