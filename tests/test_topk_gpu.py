@@ -329,10 +329,12 @@ def test_streamed_segment_edges(B, dtype):
     # in a 16-byte vector) are split over the row's C CTAs: CTA r owns [r S, r S + S), S = nch chunks
     # of 8192 positions (nch = ceil(chunks / C), chunks of the launch's longest row plus 3 for an odd
     # stride), or, in scripts/patches/topk_even_split.diff, S = 4 ceil(ceil((L + s) / C) / 4) with loads
-    # bounded by the next CTA's first element. C is 2 at B=64, 3 at B=40 and 8 at B=16 on a 132-SM
+    # bounded by the next CTA's first element, or, in scripts/patches/topk_chunk_deal.diff, at any chunk
+    # boundary (the chunks dealt unevenly). C is 2 at B=64, 3 at B=40 and 8 at B=16 on a 132-SM
     # H100 (other GPUs: other C). The largest scores and runs of ties sit on both sides of every split
-    # point of either kind for each C of 1-8, in rows of lengths just past and before chunk and cluster
-    # multiples, at every phase (an odd row stride): an element read by two CTAs or by none changes the set.
+    # point of these kinds for each C of 1-8 and of every chunk boundary, in rows of lengths just past and
+    # before chunk and cluster multiples, at every phase (an odd row stride): an element read by two
+    # CTAs or by none changes the set.
     N = 262144 + 9
     W = N + 3
     P = 8192
@@ -353,6 +355,10 @@ def test_streamed_segment_edges(B, dtype):
                     i = r * S - s  # the first element of CTA r
                     if 1 <= i < n - 1:
                         flat[st + i - 1 : st + i + 1] = 40.0 + (b % 3) if C % 2 else 30.0 + r
+        for m in range(1, chunks):
+            i = m * P - s  # the first element of chunk m
+            if 1 <= i < n - 1:
+                flat[st + i - 1 : st + i + 1] = 35.0 + m % 4
     full = torch.from_numpy(flat).to(getattr(torch, dtype))
     view = full.cuda().as_strided((B, N), (W, 1), 0)
     ref = np.lib.stride_tricks.as_strided(full.float().numpy(), (B, N), (4 * W, 4)).copy()
