@@ -322,6 +322,19 @@ def test_streamed_pair_tiles(dtype):
             assert_same_sets(got.cpu().numpy(), want, f"{dtype} N={N} k={k}")
 
 
+def check_strided_rows(flat, B, N, W, dtype, lengths, label):
+    """Rows b = flat[b W : b W + N] (W odd: rows at every phase of a 16-byte vector) as `dtype` on the GPU,
+    k = 64 and 2048, methods auto and gvr, against the C path on the same values."""
+    full = torch.from_numpy(flat).to(getattr(torch, dtype))
+    view = full.cuda().as_strided((B, N), (W, 1), 0)
+    ref = np.lib.stride_tricks.as_strided(full.float().numpy(), (B, N), (4 * W, 4)).copy()
+    for k in (64, 2048):
+        want = cpu_result(ref, k, lengths=lengths)
+        for m in ("auto", "gvr"):
+            got = gvr.topk_decode(view, k, lengths=gpu(lengths), method=m)
+            assert_same_sets(got.cpu().numpy(), want, f"{label} k={k} {m}")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("B", (64, 40, 16))
 def test_streamed_segment_edges(B, dtype):
@@ -336,7 +349,7 @@ def test_streamed_segment_edges(B, dtype):
     # before chunk and cluster multiples, at every phase (an odd row stride): an element read by two
     # CTAs or by none changes the set.
     N = 262144 + 9
-    W = N + 3
+    W = N + 2  # odd: rows at every phase
     P = 8192
     rng = np.random.default_rng(B)
     flat = rng.standard_normal(B * W + 8).astype(np.float32)
@@ -359,14 +372,7 @@ def test_streamed_segment_edges(B, dtype):
             i = m * P - s  # the first element of chunk m
             if 1 <= i < n - 1:
                 flat[st + i - 1 : st + i + 1] = 35.0 + m % 4
-    full = torch.from_numpy(flat).to(getattr(torch, dtype))
-    view = full.cuda().as_strided((B, N), (W, 1), 0)
-    ref = np.lib.stride_tricks.as_strided(full.float().numpy(), (B, N), (4 * W, 4)).copy()
-    for k in (64, 2048):
-        want = cpu_result(ref, k, lengths=lengths)
-        for m in ("auto", "gvr"):
-            got = gvr.topk_decode(view, k, lengths=gpu(lengths), method=m)
-            assert_same_sets(got.cpu().numpy(), want, f"{dtype} B={B} k={k} {m}")
+    check_strided_rows(flat, B, N, W, dtype, lengths, f"{dtype} B={B}")
 
 
 def test_rows_beyond_the_radix_limit():
@@ -523,7 +529,7 @@ def test_streamed_rows_at_every_16_byte_phase(dtype):
     # both ends of each row, ties; the reference is the C path on the
     # same values in float32 (exact conversions)
     B, N = 64, 131072 + 37
-    W = N + 7
+    W = N + 6  # odd: rows at every phase
     rng = np.random.default_rng(17)
     flat = rng.standard_normal(B * W + 8).astype(np.float32)
     flat[::7] = np.round(flat[::7], 1)
@@ -535,11 +541,4 @@ def test_streamed_rows_at_every_16_byte_phase(dtype):
         flat[s : s + min(3, n)] = 50.0 + np.arange(min(3, n))
         if n > 5:
             flat[s + n - 2 : s + n] = 60.0
-    full = torch.from_numpy(flat).to(getattr(torch, dtype))
-    view = full.cuda().as_strided((B, N), (W, 1), 0)
-    ref = np.lib.stride_tricks.as_strided(full.float().numpy(), (B, N), (4 * W, 4)).copy()
-    for k in (64, 2048):
-        want = cpu_result(ref, k, lengths=lengths)
-        for m in ("auto", "gvr"):
-            got = gvr.topk_decode(view, k, lengths=gpu(lengths), method=m)
-            assert_same_sets(got.cpu().numpy(), want, f"{dtype} k={k} {m}")
+    check_strided_rows(flat, B, N, W, dtype, lengths, dtype)
