@@ -73,21 +73,20 @@ say() { printf '\n=== %s (%ds)\n' "$*" $((SECONDS - t0)); }
 
 build() {
   local digest
-  digest=$(cat setup.py csrc/*.[ch] csrc/*/*.[ch] $(find kernels -name '*.cu' -o -name '*.cuh' -o -name '*.h' | sort) gvr/*.py 2>/dev/null | sha256sum | cut -c1-16)
+  # (a carried build/prebuilt.so.xz counts too: a warm machine given another library installs it)
+  digest=$(cat setup.py csrc/*.[ch] csrc/*/*.[ch] $(find kernels -name '*.cu' -o -name '*.cuh' -o -name '*.h' | sort) gvr/*.py \
+    build/prebuilt.so.xz 2>/dev/null | sha256sum | cut -c1-16)
   if [ "$(cat /tmp/gvr_built 2>/dev/null)" = "$digest" ]; then echo "build: up to date ($digest)"; return 0; fi
   say "build (GVR_CUDA_ARCHS=$GVR_CUDA_ARCHS)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
-  local tb=$SECONDS rc
-  if [ -e build/prebuilt.so.xz ]; then
-    # a libgvr_cuda.so built on the development machine and carried (scripts/variant_lib.sh's way: same C ABI, sm_90a):
-    # only the C extension is built here (seconds, not the CUDA build's minutes of device time)
-    GVR_SKIP_CUDA=1 GVR_REQUIRE_CUDA=0 $PY -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; rc=$?
-    if [ $rc = 0 ]; then
-      local lib; lib=$(installed_lib); mkdir -p "$(dirname "$lib")"
-      unpack build/prebuilt.so.xz "$lib" && echo "gvr build: ✓ prebuilt build/prebuilt.so.xz -> $lib" | tee -a "$OUT/build.log" || rc=1
-    fi
-  else
-    $PY -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; rc=$?
+  local tb=$SECONDS rc lib skip=""
+  # a libgvr_cuda.so built on the development machine and carried (scripts/variant_lib.sh's way: same C ABI, sm_90a):
+  # only the C extension is built here (seconds, not the CUDA build's minutes of device time)
+  [ -e build/prebuilt.so.xz ] && skip="GVR_SKIP_CUDA=1 GVR_REQUIRE_CUDA=0"
+  env $skip $PY -m pip install -v --no-build-isolation --no-deps . > "$OUT/build.log" 2>&1; rc=$?
+  if [ $rc = 0 ] && [ -n "$skip" ]; then
+    lib=$(installed_lib); mkdir -p "$(dirname "$lib")"
+    unpack build/prebuilt.so.xz "$lib" && echo "gvr build: ✓ prebuilt build/prebuilt.so.xz -> $lib" | tee -a "$OUT/build.log" || rc=1
   fi
   grep -E "gvr build" "$OUT/build.log" | sed 's/^ *//' | tail -20
   echo "pip install: exit $rc in $((SECONDS - tb)) s"
@@ -523,7 +522,7 @@ testsan() {  # every GPU test over $TEST_WORKERS pytest-xdist workers (default 6
   fi
   say "GPU tests (all, ${xd:-one process}) beside compute-sanitizer memcheck (${SAN_CASES:-topk})"
   (cd tests && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -m gpu -rfEs --maxfail=40 $xd .) > "$OUT/pytest_gpu.log" 2>&1 &
-  local pt=$! c tool
+  local pt=$! c
   san_one() {
     (cd /tmp && timeout ${SAN_TIMEOUT:-400} compute-sanitizer --tool $2 --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$2.log" 2>&1
     echo "compute-sanitizer $1 $2: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$2.log") clean summaries)"; tail -2 "$OUT/sanitizer_$1_$2.log"
