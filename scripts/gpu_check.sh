@@ -513,7 +513,8 @@ PYEOF
 
 testsan() {  # every GPU test over $TEST_WORKERS pytest-xdist workers (default 6; the wheels carried in .whl) beside
   # compute-sanitizer memcheck on the $SAN_CASES cases (default topk), then racecheck on them alone (beside 8
-  # workers the topk racecheck did not finish in 330 s, H200, session 27) -> $OUT/pytest_gpu.log, sanitizer_*.log.
+  # workers the topk racecheck did not finish in 330 s, H200, session 27; alone it took 269 s, session 28: keep
+  # SAN_TIMEOUT >= 300) -> $OUT/pytest_gpu.log, sanitizer_*.log.
   # Without xdist: one pytest process. Not for timings (the GPU is shared).
   local xd=""
   if ls .whl/pytest_xdist-*.whl > /dev/null 2>&1; then

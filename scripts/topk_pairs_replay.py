@@ -14,6 +14,8 @@ path a test's rows take without a GPU:
     python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 512 2048 4096 8192 16384
     python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 2048 --rows 256 --rows-from iid \
         --margin 0 2 --sample 256 512 --recollect 0 1.5   # a margin (-DGVR_TC_MARGIN), the second collection
+    python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 2048 --rows 64 --rows-from trace45 --skew 0 0.4 0.5
+                                       # tc's skewness term (-DGVR_SKEW_A; 0: the normal quantile alone)
     python scripts/topk_pairs_replay.py --n 131072 --batch 1 --k 2048 --rows-from trace45 --band 1.5 1.5 --band 0.4 1.4
                                        # register-held rows' first band instead (scripts/patches/topk_band_asym.diff)
 
@@ -37,6 +39,7 @@ STREAM_MAX_C = 8
 COLLECT_CAP, COLLECT_CAP_LONG, COLLECT_LONG_NCH = 8192, 16384, 10  # kernels/topk/launch.h
 SAMPLE = 256
 RECOLLECT = 1.5  # kernels/topk/gvr.cuh: the second collection's target, in k (0: none)
+SKEW_A, SKEW_CAP = 0.5, 2.0  # kernels/topk/gvr.cuh: tc's skewness term (GVR_SKEW_A; 0: the normal quantile alone)
 
 
 def geometry(n, batch, sms):
@@ -47,25 +50,32 @@ def geometry(n, batch, sms):
     return c, nch, cap
 
 
-def sample_stats(row, sample=SAMPLE):
-    """mean, sd and size of the kernel's strided sample (its finite values; sd about a pivot, as the kernel)"""
+def sample_stats(row, sample=SAMPLE, skew=False):
+    """mean, sd and size of the kernel's strided sample (its finite values; sd about a pivot, as the kernel);
+    with skew, its skewness too (third central moment / sd^3; 0 where sd is 0)"""
     n = row.size
     sm = min(n, sample)
     vals = row[(np.arange(sm, dtype=np.int64) * n) // sm].astype(np.float64)
     vals = vals[np.isfinite(vals)]
     pivot = float(row[0]) if np.isfinite(row[0]) else 0.0
     d = vals - pivot
-    return pivot + d.mean(), math.sqrt(max((d * d).mean() - d.mean() ** 2, 0.0)), vals.size
+    sd = math.sqrt(max((d * d).mean() - d.mean() ** 2, 0.0)) if vals.size else 0.0
+    if not skew:
+        return pivot + d.mean(), sd, vals.size
+    g = float(((d - d.mean()) ** 3).mean() / sd ** 3) if sd > 0 else 0.0
+    return pivot + d.mean(), sd, vals.size, g
 
 
-def threshold(row, k, factor=1.15, margin=0.0, sample=SAMPLE):
+def threshold(row, k, factor=1.15, margin=0.0, sample=SAMPLE, skew=SKEW_A):
     """the kernel's tc: the normal quantile of the strided sample at the `factor` k-th value (1.15 in the
     kernel), lowered by `margin` standard errors of that estimate (0 in the kernel): sd * sqrt((1 + z^2 / 2)
-    / m) for a normal quantile z estimated from m values"""
-    mean, sd, m = sample_stats(row, sample)
+    / m) for a normal quantile z estimated from m values; then raised by the first Cornish-Fisher term,
+    sd (z^2 - 1) g / 6, g the sample's skewness times `skew` clamped to [0, 2] (kernel: GVR_SKEW_A, 0.5)"""
+    mean, sd, m, g = sample_stats(row, sample, skew=True)
     frac = min(max(factor * min(k, row.size) / row.size, 1e-7), 0.999999)
     z = NormalDist().inv_cdf(1.0 - frac)
-    return mean + sd * z - margin * sd * math.sqrt((1.0 + z * z / 2.0) / max(m, 1))
+    g = min(max(skew * g, 0.0), SKEW_CAP)
+    return mean + sd * z - margin * sd * math.sqrt((1.0 + z * z / 2.0) / max(m, 1)) + sd * (z * z - 1.0) * g / 6.0
 
 
 def warp_counts(take, rank, nch):
@@ -123,7 +133,7 @@ def band_stats(x, k, bands):
     offs, shares = [], {b: [] for b in bands}
     for row in x:
         sd = sample_stats(row)[1]
-        center = threshold(row, k)
+        center = threshold(row, k, skew=0.0)  # register-held rows: no skewness term
         offs.append((float(np.sort(row)[-k]) - center) / sd)
         for lo, hi in bands:
             shares[(lo, hi)].append(float(np.mean((row >= center - lo * sd) & (row <= center + hi * sd))))
@@ -159,6 +169,8 @@ def main():
     ap.add_argument("--margin", type=float, nargs="+", default=[0.0],
                     help="tc lowered by this many standard errors of the sample's quantile estimate (kernel: 0)")
     ap.add_argument("--sample", type=int, nargs="+", default=[SAMPLE], help="strided sample size (kernel: 256)")
+    ap.add_argument("--skew", type=float, nargs="+", default=[SKEW_A],
+                    help="tc's skewness factor (kernel: GVR_SKEW_A, 0.5; 0: the normal quantile alone)")
     ap.add_argument("--recollect", type=float, nargs="+", default=[RECOLLECT],
                     help="rows below tc: the second collection's target rank, in k (kernel: 1.5; 0: none)")
     ap.add_argument("--band", type=float, nargs=2, action="append", metavar=("LO", "HI"),
@@ -176,16 +188,16 @@ def main():
         x = rows(a.rows_from, a.batch, a.n, a.rows, k)
         for f in a.factor:
             for m in a.margin:
-                for sm, rc in ((sm, rc) for sm in a.sample for rc in a.recollect):
+                for sm, rc, sk in ((sm, rc, sk) for sm in a.sample for rc in a.recollect for sk in a.skew):
                     paths = {}
                     ratios = []
                     for row in x:
-                        path, total = replay(row, k, c, nch, cap, rc, factor=f, margin=m, sample=sm)
+                        path, total = replay(row, k, c, nch, cap, rc, factor=f, margin=m, sample=sm, skew=sk)
                         paths[path] = paths.get(path, 0) + 1
                         ratios.append(total / k)
                     shown = ", ".join(f"{p}: {n}" for p, n in sorted(paths.items()))
                     q = np.percentile(ratios, [0, 50, 100])
-                    print(f"  k={k} factor {f} margin {m} sample {sm} recollect {rc}: collected {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} k "
+                    print(f"  k={k} factor {f} margin {m} sample {sm} recollect {rc} skew {sk}: collected {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} k "
                           f"(min / median / max); rows per path: {shown}", flush=True)
 
 

@@ -98,6 +98,17 @@ constexpr int PRED_PER_THREAD = (PRED_STATS + THREADS - 1) / THREADS;
 #define GVR_TC_MARGIN 0.0f
 #endif
 constexpr int SAMPLE = GVR_SAMPLE;
+/* streamed rows: tc from the sample's skewness too (first-order Cornish-Fisher, z + (z^2 - 1) g / 6, g the
+ * sample's skewness times GVR_SKEW_A, clamped to [0, SKEW_CAP]; 0: the normal quantile alone). Decode-trace
+ * rows are right-skewed (g ~ 1.0-1.7): the normal quantile put tc near z 2.1 where the k-th lies near 2.8-3.1,
+ * and the pass collected ~3 k pairs for the 1.15 k it aims at (scripts/topk_pairs_replay.py --skew). H200
+ * (benchmarks/RESULTS.md, session 28), trace rows at 45%, 0 -> 0.5: B=64 128K 20.43 -> 19.82 us, 256K 27.18
+ * -> 25.48, B=8 256K 12.75 -> 12.50; i.i.d. N(0, 1) rows 0.2-0.5 us slower (their skewness is noise around
+ * 0: clamped, it raises tc a little; more rows below it). 0.4 gave less at B=64 64K-128K. */
+#ifndef GVR_SKEW_A
+#define GVR_SKEW_A 0.5f
+#endif
+constexpr float SKEW_A = GVR_SKEW_A, SKEW_CAP = 2.f;
 constexpr float TC_MARGIN = GVR_TC_MARGIN;
 /* first-round band half-widths in standard deviations of the predicted scores / of the sample */
 constexpr float PRED_SPREAD = 2.5f, SAMPLE_SPREAD = 1.5f;
@@ -531,7 +542,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         /* Phase 1 (guess): mean and spread of the predicted scores and of a strided sample, in one
          * block reduction of (n, sum d, sum d^2) each, d = v - pivot (a value of the same row, so that
          * E[d^2] - E[d]^2 does not cancel) */
-        float st[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        constexpr bool SKEW = STREAM && SKEW_A > 0.f;
+        float st[SKEW ? 7 : 6] = {};
         pivot = isfinite(pivot) ? pivot : 0.f;
         if (kp >= 16) {
 #pragma unroll
@@ -550,6 +562,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 st[3] += 1.f;
                 st[4] += d;
                 st[5] += d * d;
+                if constexpr (SKEW)
+                    st[6] += d * d * d;
             }
         block_sum(st, s);
         /* (the guess only steers the search: fast approximate division is fine here, and it is
@@ -565,6 +579,13 @@ __global__ void __launch_bounds__(THREADS, 1)
          * mean lies above the k-th value and left fewer than kk above it: a second pass) */
         /* the estimate's standard error for a normal quantile from m values: sd sqrt((1 + z^2 / 2) / m) */
         tc = center - TC_MARGIN * sd_s * sqrtf((1.f + 0.5f * zq * zq) * ins);
+        if constexpr (SKEW) {
+            /* the sample's third central moment about its mean, from the moments about the pivot; g's
+             * NaN (sd 0, overflow) falls to 0 in fmaxf, inf to SKEW_CAP */
+            const float m2 = st[5] * ins, m3 = st[6] * ins - mds * (3.f * m2 - 2.f * mds * mds);
+            const float g = fminf(fmaxf(SKEW_A * __fdividef(m3, sd_s * sd_s * sd_s), 0.f), SKEW_CAP);
+            tc += sd_s * (zq * zq - 1.f) * g * (1.f / 6.f);
+        }
         if (st[0] >= 16.f) {
             const float inp = __frcp_rn(st[0]), mdp = st[1] * inp, mean_p = pivot + mdp;
             const float sd_p = sqrtf(fmaxf(st[2] * inp - mdp * mdp, 0.f));
