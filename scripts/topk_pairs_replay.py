@@ -50,9 +50,9 @@ def geometry(n, batch, sms):
     return c, nch, cap
 
 
-def sample_stats(row, sample=SAMPLE, skew=False):
-    """mean, sd and size of the kernel's strided sample (its finite values; sd about a pivot, as the kernel);
-    with skew, its skewness too (third central moment / sd^3; 0 where sd is 0)"""
+def sample_stats(row, sample=SAMPLE):
+    """mean, sd, size and skewness (third central moment / sd^3; 0 where sd is 0) of the kernel's strided
+    sample (its finite values; sd about a pivot, as the kernel)"""
     n = row.size
     sm = min(n, sample)
     vals = row[(np.arange(sm, dtype=np.int64) * n) // sm].astype(np.float64)
@@ -60,8 +60,6 @@ def sample_stats(row, sample=SAMPLE, skew=False):
     pivot = float(row[0]) if np.isfinite(row[0]) else 0.0
     d = vals - pivot
     sd = math.sqrt(max((d * d).mean() - d.mean() ** 2, 0.0)) if vals.size else 0.0
-    if not skew:
-        return pivot + d.mean(), sd, vals.size
     g = float(((d - d.mean()) ** 3).mean() / sd ** 3) if sd > 0 else 0.0
     return pivot + d.mean(), sd, vals.size, g
 
@@ -71,7 +69,7 @@ def threshold(row, k, factor=1.15, margin=0.0, sample=SAMPLE, skew=SKEW_A):
     kernel), lowered by `margin` standard errors of that estimate (0 in the kernel): sd * sqrt((1 + z^2 / 2)
     / m) for a normal quantile z estimated from m values; then raised by the first Cornish-Fisher term,
     sd (z^2 - 1) g / 6, g the sample's skewness times `skew` clamped to [0, 2] (kernel: GVR_SKEW_A, 0.5)"""
-    mean, sd, m, g = sample_stats(row, sample, skew=True)
+    mean, sd, m, g = sample_stats(row, sample)
     frac = min(max(factor * min(k, row.size) / row.size, 1e-7), 0.999999)
     z = NormalDist().inv_cdf(1.0 - frac)
     g = min(max(skew * g, 0.0), SKEW_CAP)
