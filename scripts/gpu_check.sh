@@ -490,7 +490,10 @@ PYEOF
 topkabq() {  # A/B of whole libraries, interleaved: the installed one (main) and each carried build/ab_NAME.so.xz, the
   # quick table's gvr column at N $AB_N (default 64K-256K) + each of $AB_EXTRA (default "0 1": aligned rows, then rows
   # of N + 1 at every phase), B $AB_B (default 8 64), $AB_REPEAT rounds (default 2), the rows generated once
-  # (--cache) -> $OUT/abq.log, abq_compare.log (JSON under /tmp/abq: few files come back from a run)
+  # (--cache) -> $OUT/abq.log, abq_compare.log (JSON under /tmp/abq: few files come back from a run). AB_ARGS="--rows iid":
+  # B distinct N(0, 1) rows; AB_ARGS="--rows traces --cache DIR": B distinct decode-trace rows from a cache DIR filled
+  # beforehand by one quick_gpu_bench.py --rows traces --cache DIR run (64 rows at 64K-256K took 2.5 min on the H200's host:
+  # past abq_run's 150 s)
   say "topk A/B (cached traces)"
   rm -rf /tmp/abq; mkdir -p /tmp/abq
   local q="$ROOT/scripts/quick_gpu_bench.py --n ${AB_N:-65536 131072 262144} --extra ${AB_EXTRA:-0 1} --batch ${AB_B:-8 64} --overlap 0.45 --cols gvr --cache /tmp/abq/cache ${AB_ARGS:-}"

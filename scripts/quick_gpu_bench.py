@@ -14,6 +14,9 @@ several values: each in turn). --cache DIR keeps the generated rows and hints as
 A/B runs this script once per library: the traces' calibration is then paid once); --cols picks columns.
 --rows iid times B distinct N(0, 1) rows instead (gvr.data.iid_scores, seed 5; the hint: the Top-K of
 another draw; --overlap is not used): a batch is as slow as its slowest row, and tiled rows hide that.
+--rows traces times B distinct decode-trace rows (gvr.data.decode_trace_batch, seed 1, rho calibrated
+once on row 0 for each overlap, the largest B generated once and its first B rows timed; the hint: each
+row's previous step), as a serving batch of B requests has them.
 """
 import argparse
 import json
@@ -38,8 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--cols", nargs="+", choices=COLS, default=["gvr_prev", "gvr", "radix"],
                    help="the columns timed (torch also with --torch)")
     p.add_argument("--cache", metavar="DIR", help="load the rows and hints from DIR, or generate and save them there")
-    p.add_argument("--rows", choices=("tiled", "iid"), default="tiled",
-                   help="tiled: one decode-trace row per (N, overlap) repeated B times; iid: B distinct N(0, 1) rows")
+    p.add_argument("--rows", choices=("tiled", "iid", "traces"), default="tiled",
+                   help="tiled: one decode-trace row per (N, overlap) repeated B times; iid: B distinct N(0, 1) rows; "
+                   "traces: B distinct decode-trace rows")
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--method", default="gvr", help="method of the gvr+prev and gvr columns (default 'gvr': the GVR kernel forced)")
     p.add_argument("--torch", action="store_true", help="also time torch.topk(x, k, sorted=False)")
@@ -107,7 +111,16 @@ def main(argv=None):
         return arr
 
     for n in [n0 + e for n0 in a.n for e in a.extra]:
-        for ov in (a.overlap if a.rows == "tiled" else [0.0]):
+        for ov in (a.overlap if a.rows != "iid" else [0.0]):
+            if a.rows == "traces":
+                bmax = max(a.batch)
+
+                def traces(n=n, ov=ov, bmax=bmax):
+                    rho = float(data.rho_for_overlap(ov, n, k=k, seed=1))
+                    tr = data.decode_trace_batch(bmax, n, 2, k=k, seed=1, rho=rho)
+                    return np.stack([tr[0][:, :n], tr[1][:, :n]])
+                xb = cached(f"traces_{bmax}_{n}_{ov:.2f}_{k}", traces)
+                hb = cached(f"traceshint_{bmax}_{n}_{ov:.2f}_{k}", lambda: gvr.topk_decode(xb[0], k))
             if a.rows == "tiled":
                 def trace(n=n, ov=ov):
                     tr = list(data.decode_trace(n, 2, k=k, overlap=ov, seed=1))
@@ -119,6 +132,9 @@ def main(argv=None):
                 if a.rows == "tiled":
                     xg = torch.from_numpy(np.tile(x1, (b, 1))).cuda()
                     pb = prev.expand(b, k).contiguous()
+                elif a.rows == "traces":
+                    xg = torch.from_numpy(np.ascontiguousarray(xb[1][:b])).cuda()
+                    pb = torch.from_numpy(np.ascontiguousarray(hb[:b])).cuda()
                 else:
                     xg = torch.from_numpy(cached(f"iid_{b}_{n}_5", lambda: data.iid_scores(b, n, seed=5))).cuda()
                     pb = torch.from_numpy(cached(f"iidhint_{b}_{n}_{k}", lambda: gvr.topk_decode(data.iid_scores(b, n, seed=6), k))).cuda()

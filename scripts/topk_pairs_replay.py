@@ -37,7 +37,8 @@ P = THREADS * 4 * VEC  # positions per chunk
 WARPS = THREADS // 32
 STREAM_MAX_C = 8
 COLLECT_CAP, COLLECT_CAP_LONG, COLLECT_LONG_NCH = 8192, 16384, 10  # kernels/topk/launch.h
-SAMPLE = 256
+SAMPLE = 512  # kernels/topk/gvr.cuh: the streamed rows' sample (GVR_SAMPLE_STREAM)
+SAMPLE_REG = 256  # register-held rows' (GVR_SAMPLE)
 RECOLLECT = 1.5  # kernels/topk/gvr.cuh: the second collection's target, in k (0: none)
 SKEW_A, SKEW_CAP = 0.5, 2.0  # kernels/topk/gvr.cuh: tc's skewness term (GVR_SKEW_A; 0: the normal quantile alone)
 
@@ -130,8 +131,8 @@ def band_stats(x, k, bands):
     1.15 k estimate), in sample sd, and the share of each row inside center - lo sd .. center + hi sd"""
     offs, shares = [], {b: [] for b in bands}
     for row in x:
-        sd = sample_stats(row)[1]
-        center = threshold(row, k, skew=0.0)  # register-held rows: no skewness term
+        sd = sample_stats(row, SAMPLE_REG)[1]
+        center = threshold(row, k, sample=SAMPLE_REG, skew=0.0)  # register-held rows: no skewness term
         offs.append((float(np.sort(row)[-k]) - center) / sd)
         for lo, hi in bands:
             shares[(lo, hi)].append(float(np.mean((row >= center - lo * sd) & (row <= center + hi * sd))))
@@ -166,7 +167,7 @@ def main():
     ap.add_argument("--factor", type=float, nargs="+", default=[1.15], help="tc's target rank, in k (kernel: 1.15)")
     ap.add_argument("--margin", type=float, nargs="+", default=[0.0],
                     help="tc lowered by this many standard errors of the sample's quantile estimate (kernel: 0)")
-    ap.add_argument("--sample", type=int, nargs="+", default=[SAMPLE], help="strided sample size (kernel: 256)")
+    ap.add_argument("--sample", type=int, nargs="+", default=[SAMPLE], help="strided sample size (kernel: 512)")
     ap.add_argument("--skew", type=float, nargs="+", default=[SKEW_A],
                     help="tc's skewness factor (kernel: GVR_SKEW_A, 0.5; 0: the normal quantile alone)")
     ap.add_argument("--recollect", type=float, nargs="+", default=[RECOLLECT],
@@ -175,7 +176,7 @@ def main():
                     help="instead: register-held rows' first band [center - LO sd, center + HI sd] (repeatable)")
     a = ap.parse_args()
     if a.band:
-        print(f"N={a.n}: {a.rows} rows from {a.rows_from}; the sample's center and sd (256 strided values)")
+        print(f"N={a.n}: {a.rows} rows from {a.rows_from}; the sample's center and sd ({SAMPLE_REG} strided values)")
         for k in a.k:
             band_stats(rows(a.rows_from, a.batch, a.n, a.rows, k), k, [tuple(b) for b in a.band])
         return

@@ -257,8 +257,8 @@ def test_streamed_geometries(B, N):
 
 
 def test_streamed_collection_fallbacks():
-    # The streamed kernel collects the elements at or above a threshold tc (the strided sample's normal
-    # estimate of the 1.15 k-th value, raised by its skewness) during its first pass and reads them instead of the row afterwards.
+    # The streamed kernel collects the elements at or above a threshold tc (the normal estimate of the
+    # 1.15 k-th value from a strided sample of 512, raised by its skewness) during its first pass and reads them instead of the row afterwards.
     # Its other paths must give the same sets (scripts/topk_pairs_replay.py replays which rows take which):
     # (1) a warp's segment overflows (k = 60000 of 262144 at B=64: ~35K collected per CTA, whose
     #     warps hold 1024 pairs each): the rounds re-read the row;
@@ -266,9 +266,9 @@ def test_streamed_collection_fallbacks():
     #     rounds read the row;
     # (3) the pairs' first bins (256 over [threshold, threshold + 3 sample sd), counted before the
     #     exchange) put the k-th in the top bin: 4096 scores per row in [50, 60] in steps of 0.5
-    #     (tied) above a threshold of 14-41 (raised by the sample's skewness), so that the rounds go on
-    #     from the pairs (the top bin in 44 of the 64 rows, inside the band in the others);
-    # (4) fewer than k at or above tc: a second pass collects [tlo, tc) (k = 2048 of N(0, 1) rows: a fifth
+    #     (tied) above a threshold of 14-43 (raised by the sample's skewness), so that the rounds go on
+    #     from the pairs (the top bin in 49 of the 64 rows, inside the band in the others);
+    # (4) fewer than k at or above tc: a second pass collects [tlo, tc) (k = 2048 of N(0, 1) rows: a third
     #     of them); "gap": the unsampled scores of (1.0, 2.6) moved 3.0 down, so that the second pass
     #     too leaves fewer than k (the search goes on below tlo from the row, its band empty at first);
     #     "lump": the unsampled scores above 0.9 tied at 2.25 under a tc near 2.5, so that the second
@@ -282,7 +282,7 @@ def test_streamed_collection_fallbacks():
     for r in range(B):
         heavy[r, rng.choice(N, 4096, replace=False)] = np.round(rng.uniform(50, 60, 4096) * 2) / 2
     sampled = np.zeros(N, bool)
-    sampled[(np.arange(256) * N) // 256] = True  # the kernel's strided sample
+    sampled[(np.arange(512) * N) // 512] = True  # the streamed kernel's strided sample
     gap = x.copy()
     gap[(gap > 1.0) & (gap < 2.6) & ~sampled] -= 3.0
     lump = x.copy()

@@ -84,8 +84,9 @@ constexpr int MAX_VALUE_ROUNDS = 4;
  * slower, benchmarks/RESULTS.md). */
 constexpr int PRED_STATS = 256;
 constexpr int PRED_PER_THREAD = (PRED_STATS + THREADS - 1) / THREADS;
-/* A/B switches: the sample's size, and the streamed threshold tc lowered by GVR_TC_MARGIN standard errors
- * of the sample's quantile estimate, sd sqrt((1 + z^2 / 2) / m) (0: tc at the estimate). Measured, H100
+/* A/B switches: the sample's size (GVR_SAMPLE: register-held rows'; streamed rows': below), and the
+ * streamed threshold tc lowered by GVR_TC_MARGIN standard errors of the sample's quantile estimate,
+ * sd sqrt((1 + z^2 / 2) / m) (0: tc at the estimate). Measured, H100
  * (benchmarks/RESULTS.md, sessions 25-26): a margin trades the decode-trace rows' speed (more pairs) for
  * fewer i.i.d. rows below tc; SAMPLE 512 with a margin of 2 put none of 64 such rows there (B=64 64K 33.1
  * -> 13.8 us) but cost trace rows up to 1.4 us (B=8 256K 12.6 -> 13.9); a margin of 1 with the second
@@ -94,10 +95,20 @@ constexpr int PRED_PER_THREAD = (PRED_STATS + THREADS - 1) / THREADS;
 #ifndef GVR_SAMPLE
 #define GVR_SAMPLE 256
 #endif
+/* streamed rows' sample: 512 (one load per thread). H200 (benchmarks/RESULTS.md, session 29), against 256
+ * with the skewness term below: a serving batch of B distinct decode-trace rows at 45% (quick_gpu_bench.py
+ * --rows traces) B=64 128K 30.2 -> 20.4 us, 256K 44.1 -> 30.0, B=8 256K 13.2 -> 12.9 -- with 256 about one
+ * such row in 64 fell below tc (the estimate's noise) and the batch waited for its second collection; one
+ * row tiled over the batch 0.05 us slower at B=64 128K, 0.2-0.5 at 256K; i.i.d. rows within 0.4. */
+#ifndef GVR_SAMPLE_STREAM
+#define GVR_SAMPLE_STREAM 512
+#endif
 #ifndef GVR_TC_MARGIN
 #define GVR_TC_MARGIN 0.0f
 #endif
-constexpr int SAMPLE = GVR_SAMPLE;
+/* the sample's size: register-held rows (their first band) / streamed rows (tc) */
+template <bool STREAM>
+constexpr int SAMPLE = STREAM ? GVR_SAMPLE_STREAM : GVR_SAMPLE;
 /* streamed rows: tc from the sample's skewness too (first-order Cornish-Fisher, z + (z^2 - 1) g / 6, g the
  * sample's skewness times GVR_SKEW_A, clamped to [0, SKEW_CAP]; 0: the normal quantile alone). Decode-trace
  * rows are right-skewed (g ~ 1.0-1.7): the normal quantile put tc near z 2.1 where the k-th lies near 2.8-3.1,
@@ -476,8 +487,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     if constexpr (!STREAM)
         tile.load_raw(xr, L, rank);
     /* the strided sample (always: it also judges the prediction), independent of the gathers */
-    constexpr int SPT = (SAMPLE + THREADS - 1) / THREADS;
-    const int sm = L < SAMPLE ? L : SAMPLE;
+    constexpr int SPT = (SAMPLE<STREAM> + THREADS - 1) / THREADS;
+    const int sm = L < SAMPLE<STREAM> ? L : SAMPLE<STREAM>;
     float sval[SPT];
     float pval[PRED_PER_THREAD];
     float pivot = 0.f;
