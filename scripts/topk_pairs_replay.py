@@ -14,7 +14,7 @@ path a test's rows take without a GPU:
     python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 512 2048 4096 8192 16384
     python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 2048 --rows 256 --rows-from iid \
         --margin 0 2 --sample 256 512 --recollect 0 1.5   # a margin (-DGVR_TC_MARGIN), the second collection
-    python scripts/topk_pairs_replay.py --n 131072 --batch 64 --k 2048 --rows 64 --rows-from trace45 --skew 0 0.4 0.5
+    python scripts/topk_pairs_replay.py --n 65536 131072 262144 --batch 64 --k 2048 --rows 64 --rows-from trace45 --skew 0 0.4 0.5
                                        # tc's skewness term (-DGVR_SKEW_A; 0: the normal quantile alone)
     python scripts/topk_pairs_replay.py --n 131072 --batch 1 --k 2048 --rows-from trace45 --band 1.5 1.5 --band 0.4 1.4
                                        # register-held rows' first band instead (scripts/patches/topk_band_asym.diff)
@@ -157,7 +157,9 @@ def rows(kind, batch, n, count, k):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, required=True)
+    ap.add_argument("--n", type=int, nargs="+", required=True,
+                    help="row lengths (each in turn: a threshold term must hold at every N it runs at -- the "
+                         "k-th value's z grows with N, and so do the moment terms; session 29 learned it on the GPU)")
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--k", type=int, nargs="+", required=True)
     ap.add_argument("--rows", type=int, default=16, help="rows replayed (the first ones of the batch)")
@@ -175,16 +177,22 @@ def main():
     ap.add_argument("--band", type=float, nargs=2, action="append", metavar=("LO", "HI"),
                     help="instead: register-held rows' first band [center - LO sd, center + HI sd] (repeatable)")
     a = ap.parse_args()
+    for n in a.n:
+        replay_n(a, n)
+
+
+def replay_n(a, n):
+    """the replay's table (or --band's) for rows of length n"""
     if a.band:
-        print(f"N={a.n}: {a.rows} rows from {a.rows_from}; the sample's center and sd ({SAMPLE_REG} strided values)")
+        print(f"N={n}: {a.rows} rows from {a.rows_from}; the sample's center and sd ({SAMPLE_REG} strided values)")
         for k in a.k:
-            band_stats(rows(a.rows_from, a.batch, a.n, a.rows, k), k, [tuple(b) for b in a.band])
+            band_stats(rows(a.rows_from, a.batch, n, a.rows, k), k, [tuple(b) for b in a.band])
         return
-    c, nch, cap = geometry(a.n, a.batch, a.sms)
-    print(f"N={a.n} B={a.batch}: clusters of {c} CTAs, {nch} chunks each, segments of {cap} pairs per warp; "
+    c, nch, cap = geometry(n, a.batch, a.sms)
+    print(f"N={n} B={a.batch}: clusters of {c} CTAs, {nch} chunks each, segments of {cap} pairs per warp; "
           f"{a.rows} rows from {a.rows_from}")
     for k in a.k:
-        x = rows(a.rows_from, a.batch, a.n, a.rows, k)
+        x = rows(a.rows_from, a.batch, n, a.rows, k)
         for f in a.factor:
             for m in a.margin:
                 for sm, rc, sk in ((sm, rc, sk) for sm in a.sample for rc in a.recollect for sk in a.skew):
