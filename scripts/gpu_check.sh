@@ -53,6 +53,7 @@
 #   testsan  every GPU test over pytest-xdist workers (wheels carried in .whl) beside the sanitizer on $SAN_CASES
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
+#   topkpool  bench_topk with $POOL (default 64) distinct rows per cell: trace45 and iid, N 64K-256K, B 1/8/64 (not yet run)
 #   topkvar  variants of the streamed gvr kernel (TOPK_VARIANTS="name:-DMACRO=v ...[|patch.diff];..."), built here and
 #            A/B'd (topkab) against the installed library
 #   topkprof  phase stamps (profile) from a -DGVR_PROFILE library built here first; PP_CASES as profile's
@@ -572,6 +573,15 @@ hintsweep() {  # issue 15's hint-quality sweep on the GPU: with and without prev
   echo "exit $?"; tail -70 "$OUT/bench_hint_sweep.log"
 }
 
+topkpool() {  # bench_topk on CUDA with $POOL (default 64) independent trace rows per (workload, N): every row of a
+  # B=64 batch distinct, as a serving batch has them (the default grid tiles 4, the quick table 1; a batch waits for
+  # its slowest row). trace45 and iid, N 64K-256K, B 1/8/64 -> $OUT/bench_pool_cuda.json, bench_pool.log
+  say "bench_topk, pool ${POOL:-64}"
+  (cd /tmp && timeout 560 $PY "$ROOT/benchmarks/bench_topk.py" --device cuda --pool ${POOL:-64} --workloads trace45 iid \
+    --n 65536 131072 262144 --batch 1 8 64 --out "$OUT/bench_pool_cuda.json") > "$OUT/bench_pool.log" 2>&1
+  echo "exit $?"; tail -40 "$OUT/bench_pool.log"
+}
+
 ncu_b1() {  # Nsight Compute on the B=1 cells of 1K, 4K and 8K tokens (NCU_TOKENS overrides)
   for tok in ${NCU_TOKENS:-1024 4096 8192}; do
     say "ncu B=1 $tok tokens"
@@ -682,6 +692,7 @@ for mode in "${@:-check}"; do
     spardaselect) spardaselect ;;
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
+    topkpool) topkpool ;;
     topkquick) topkquick ;;
     profile) profile ;;
     attnprofile) attnprofile ;;
