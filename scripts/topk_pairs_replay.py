@@ -202,7 +202,7 @@ def replay_n(a, n):
                         path, total = replay(row, k, c, nch, cap, rc, factor=f, margin=m, sample=sm, skew=sk)
                         paths[path] = paths.get(path, 0) + 1
                         ratios.append(total / k)
-                    shown = ", ".join(f"{p}: {n}" for p, n in sorted(paths.items()))
+                    shown = ", ".join(f"{p}: {cnt}" for p, cnt in sorted(paths.items()))
                     q = np.percentile(ratios, [0, 50, 100])
                     print(f"  k={k} factor {f} margin {m} sample {sm} recollect {rc} skew {sk}: collected {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} k "
                           f"(min / median / max); rows per path: {shown}", flush=True)

@@ -258,7 +258,8 @@ def test_streamed_geometries(B, N):
 
 def test_streamed_collection_fallbacks():
     # The streamed kernel collects the elements at or above a threshold tc (the normal estimate of the
-    # 1.15 k-th value from a strided sample of 512, raised by its skewness) during its first pass and reads them instead of the row afterwards.
+    # 1.15 k-th value from a strided sample of 512, raised by its skewness) during its first pass and
+    # reads them instead of the row afterwards.
     # Its other paths must give the same sets (scripts/topk_pairs_replay.py replays which rows take which):
     # (1) a warp's segment overflows (k = 60000 of 262144 at B=64: ~35K collected per CTA, whose
     #     warps hold 1024 pairs each): the rounds re-read the row;
