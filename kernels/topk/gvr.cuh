@@ -340,45 +340,49 @@ __device__ __forceinline__ int out_class(uint32_t key, int idx, uint32_t ka, uin
 
 /* Streamed rows, the second collection (RECOLLECT): this thread's elements of [lo, hi) (NaN and the
  * NaN fill outside the row fail the compare) appended to its warp's segment after the warp's `wcount`
- * pairs, as the first pass places them (warp scan of the counts: deterministic), the chunks of
- * positions [seg, seg + my_nch P) read directly, the next one's loads in flight. Out of line, so
- * that the kernel's hot passes keep the registers and the code they had without it (inlined, its
- * ring pass put the first pass's B=64 64K, 128K rows 0.3-0.5 us slower, H100, session 26). Returns
- * the warp's count and this thread's largest key collected (0: none). */
+ * pairs, per element a warp ballot and the warp's pairs of it written at ballot offsets (element
+ * order, then lane order: deterministic), the chunks of positions [seg, seg + my_nch P) read directly,
+ * the next one's loads in flight. Out of line, so that the kernel's hot passes keep the registers and
+ * the code they had without it (inlined, its ring pass put the first pass's B=64 64K, 128K rows
+ * 0.3-0.5 us slower, H100, session 26). Returns the warp's count and this thread's largest key
+ * collected (0: none).
+ * The pass runs at ~2.2K cycles per chunk (a lone CTA, L2-resident rows: ~30 GB/s), bound by the warps'
+ * instruction chains, not by the loads. H200 (benchmarks/RESULTS.md, session 30), i.i.d. rows, against
+ * a warp scan of per-thread bit masks and a branch per element: B=64 128K 29.9 -> 29.6 us, 256K 42.7 ->
+ * 41.0, B=8 256K 18.7 -> 18.5 (decode-trace rows, which rarely take it: equal). Measured slower: two
+ * or four chunks in flight (B=64 256K 45.4 and 49.7 us), an array of tiles shifted by register moves
+ * and a two-tile ping-pong (sessions 26, 28); no faster: loads that bypass L1 (ld.global.cg). */
 template <typename T, int VEC>
 __device__ __noinline__ uint2 collect_between(const T *__restrict__ xr, int L, int seg, int my_nch, float lo, float hi,
                                               uint2 *wseg, int seg_cap, int wcount)
 {
     constexpr int P = RowTile<VEC>::P;
+    const unsigned lt = (1u << (threadIdx.x & 31)) - 1u; /* the lanes below this one */
     uint32_t kmax = 0u;
     RowTile<VEC> nxt;
     if (my_nch > 0)
         nxt.load_raw_at(xr, L, seg);
+#pragma unroll 1
     for (int c = 0; c < my_nch; c++) {
         const RowTile<VEC> cur = nxt;
         if (c + 1 < my_nch)
             nxt.load_raw_at(xr, L, seg + (c + 1) * P);
-        unsigned cm = 0u;
 #pragma unroll
         for (int q = 0; q < RowTile<VEC>::NE; q++) {
             const float v = __uint_as_float(cur.key[q]);
-            cm |= (v >= lo && !(v >= hi) ? 1u : 0u) << q;
-        }
-        const int n = __popc(cm);
-        const int incl = warp_inclusive_sum(n);
-        int pos = wcount + incl - n;
-        if (cm) {
-#pragma unroll
-            for (int q = 0; q < RowTile<VEC>::NE; q++)
-                if ((cm >> q) & 1u) {
-                    const uint32_t key = stored_key(__uint_as_float(cur.key[q]));
+            const bool take = v >= lo && !(v >= hi);
+            const unsigned b = __ballot_sync(0xFFFFFFFFu, take);
+            if (b) { /* uniform in the warp; an element no lane takes costs a compare, a vote and a branch */
+                if (take) {
+                    const int pos = wcount + __popc(b & lt);
+                    const uint32_t key = stored_key(v);
                     if (pos < seg_cap)
                         wseg[pos] = make_uint2(key, (uint32_t)cur.index(q >> 2, q & 3));
                     kmax = key > kmax ? key : kmax;
-                    pos++;
                 }
+                wcount += __popc(b);
+            }
         }
-        wcount += __shfl_sync(0xFFFFFFFFu, incl, 31);
     }
     return make_uint2((uint32_t)wcount, kmax);
 }
