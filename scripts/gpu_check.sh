@@ -492,12 +492,12 @@ topkabq() {  # A/B of whole libraries, interleaved: the installed one (main) and
   # quick table's gvr column at N $AB_N (default 64K-256K) + each of $AB_EXTRA (default "0 1": aligned rows, then rows
   # of N + 1 at every phase), B $AB_B (default 8 64), $AB_REPEAT rounds (default 2), the rows generated once
   # (--cache) -> $OUT/abq.log, abq_compare.log (JSON under /tmp/abq: few files come back from a run). AB_ARGS="--rows iid":
-  # B distinct N(0, 1) rows; AB_ARGS="--rows traces --cache DIR": B distinct decode-trace rows from a cache DIR filled
-  # beforehand by one quick_gpu_bench.py --rows traces --cache DIR run (64 rows at 64K-256K took 2.5 min on the H200's host:
-  # past abq_run's 150 s)
+  # B distinct N(0, 1) rows; AB_ARGS="--rows traces": B distinct decode-trace rows (64 rows at 64K-256K take ~2.5 min to
+  # generate on the H200's host: done first, by quick_gpu_bench.py --generate-only, within $AB_GEN_TIMEOUT, default 400 s)
   say "topk A/B (cached traces)"
   rm -rf /tmp/abq; mkdir -p /tmp/abq
   local q="$ROOT/scripts/quick_gpu_bench.py --n ${AB_N:-65536 131072 262144} --extra ${AB_EXTRA:-0 1} --batch ${AB_B:-8 64} --overlap 0.45 --cols gvr --cache /tmp/abq/cache ${AB_ARGS:-}"
+  (cd /tmp && timeout ${AB_GEN_TIMEOUT:-400} $PY $q --generate-only) >> "$OUT/abq.log" 2>&1 || echo "generating the rows: exit $?"
   abq_run() { (cd /tmp && timeout 150 $PY $q --json "/tmp/abq/$1_$2.json") >> "$OUT/abq.log" 2>&1; }
   AB_REPEAT=${AB_REPEAT:-2} with_each_lib abq_run
   $PY - <<'PYEOF' 2>&1 | tee "$OUT/abq_compare.log"

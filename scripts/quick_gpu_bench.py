@@ -16,7 +16,8 @@ A/B runs this script once per library: the traces' calibration is then paid once
 another draw; --overlap is not used): a batch is as slow as its slowest row, and tiled rows hide that.
 --rows traces times B distinct decode-trace rows (gvr.data.decode_trace_batch, seed 1, rho calibrated
 once on row 0 for each overlap, the largest B generated once and its first B rows timed; the hint: each
-row's previous step), as a serving batch of B requests has them.
+row's previous step), as a serving batch of B requests has them. --generate-only --cache DIR fills DIR
+and times nothing (64 trace rows at 64K-256K take minutes; gpu_check.sh topkabq runs it first).
 """
 import argparse
 import json
@@ -51,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=int, default=5, help="timed replays (median)")
     p.add_argument("--json", metavar="PATH", help="write the table and the header as JSON")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="print the cells of earlier --json runs side by side")
+    p.add_argument("--generate-only", action="store_true",
+                   help="with --cache: generate the rows and hints into DIR and time nothing (no GPU needed), so that "
+                   "later runs with the same arguments only load them")
     return p.parse_args(argv)
 
 
@@ -84,18 +88,23 @@ def main(argv=None):
     a = parse_args(argv)
     if a.compare:
         return compare(a.compare)
-    import torch
-
+    if a.generate_only and not a.cache:
+        raise SystemExit("--generate-only needs --cache DIR")
     import gvr
     from gvr import data
 
-    inside = os.path.abspath(gvr.__file__).startswith(ROOT + os.sep)
-    meta = H.header(torch, ROOT if inside else None, cuda=True)
-    meta["args"] = vars(a)
-    print(H.header_line(meta))
-    print(f"# gvr from {gvr.__file__}; k={a.k}; CUDA graphs of {a.calls} calls, median of {a.replays} replays, us per call; "
-          f"gvr+prev and gvr: method={a.method!r}", flush=True)
-    timer = H.CudaTimer(torch, flush_bytes=0)
+    if a.generate_only:
+        torch = timer = None
+    else:
+        import torch
+
+        inside = os.path.abspath(gvr.__file__).startswith(ROOT + os.sep)
+        meta = H.header(torch, ROOT if inside else None, cuda=True)
+        meta["args"] = vars(a)
+        print(H.header_line(meta))
+        print(f"# gvr from {gvr.__file__}; k={a.k}; CUDA graphs of {a.calls} calls, median of {a.replays} replays, us per call; "
+              f"gvr+prev and gvr: method={a.method!r}", flush=True)
+        timer = H.CudaTimer(torch, flush_bytes=0)
     k, rows = a.k, []
 
     def cached(name, make):
@@ -127,7 +136,16 @@ def main(argv=None):
                     return np.stack([tr[0][:n], tr[1][:n]])
                 x01 = cached(f"trace_{n}_{ov:.2f}_{k}", trace)
                 x1 = x01[1]
-                prev = torch.from_numpy(cached(f"hint_{n}_{ov:.2f}_{k}", lambda: gvr.topk_decode(x01[0], k))).cuda()
+                hint = cached(f"hint_{n}_{ov:.2f}_{k}", lambda: gvr.topk_decode(x01[0], k))
+            if a.generate_only:
+                if a.rows == "iid":
+                    for b in a.batch:
+                        cached(f"iid_{b}_{n}_5", lambda: data.iid_scores(b, n, seed=5))
+                        cached(f"iidhint_{b}_{n}_{k}", lambda: gvr.topk_decode(data.iid_scores(b, n, seed=6), k))
+                print(f"# N={n} overlap {ov:.2f}: rows in {a.cache}", flush=True)
+                continue
+            if a.rows == "tiled":
+                prev = torch.from_numpy(hint).cuda()
             for b in a.batch:
                 if a.rows == "tiled":
                     xg = torch.from_numpy(np.tile(x1, (b, 1))).cuda()
@@ -153,7 +171,7 @@ def main(argv=None):
                 rows.append(r)
                 print(f"N={n:7d} ov={ov:.2f} B={b:3d}  " + "  ".join(
                     f"{c} {r[c]:7.2f}" for c in ("gvr_prev", "gvr", "radix", "torch") if c in r) + " us", flush=True)
-    if a.json:
+    if a.json and not a.generate_only:
         H.write_json(a.json, {"meta": meta, "rows": rows})
         print(f"# wrote {a.json}")
 
