@@ -53,7 +53,7 @@
 #   testsan  every GPU test over pytest-xdist workers (wheels carried in .whl) beside the sanitizer on $SAN_CASES
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
-#   topkpool  bench_topk with $POOL (default 64) distinct rows per cell: trace45 and iid, N 64K-256K, B 1/8/64 (not yet run)
+#   topkpool  bench_topk with $POOL (default 64) distinct rows per cell: trace45 and iid, N 64K-256K, B 1/8/64 (~190 s)
 #   topkvar  variants of the streamed gvr kernel (TOPK_VARIANTS="name:-DMACRO=v ...[|patch.diff];..."), built here and
 #            A/B'd (topkab) against the installed library
 #   topkprof  phase stamps (profile) from a -DGVR_PROFILE library built here first; PP_CASES as profile's
