@@ -733,9 +733,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         uint32_t kmax = 0u;
         /* Per chunk: this thread's elements at or above tc as a bit mask (NaN, and the NaN fill
          * outside the row, fail the compare), a warp scan of the counts, then each thread writes
-         * its few pairs at consecutive slots (lane order, then element order: deterministic). About
-         * 3 instructions per element: with a ballot and a branch per element the pass was issue
-         * bound near the copy bandwidth (its speed moved with code generation, +-10%, measured). */
+         * its few pairs at consecutive slots (lane order, then element order: deterministic). The
+         * compare and the mask take about 3 instructions per element: with a ballot and a branch per
+         * element the pass was issue bound near the copy bandwidth (its speed moved with code
+         * generation, +-10%, measured). The dense form executes ~28 per element in all (Nsight
+         * Compute, B=64 128K, session 30), ~10 of them the stored key and kmax of every element,
+         * taken or not (scripts/patches/topk_raw_pairs.diff moves them after the pass; not yet run). */
         auto collect = [&](const auto &tl, auto dense_c) {
             constexpr int NE = std::decay_t<decltype(tl)>::NE;
             unsigned cm = 0u;
