@@ -119,6 +119,11 @@ def main(argv=None):
             os.replace(path + ".tmp.npy", path)
         return arr
 
+    def iid_rows(b, n):
+        """--rows iid: B distinct N(0, 1) rows (seed 5) and their hint (the Top-K of another draw, seed 6)"""
+        return (cached(f"iid_{b}_{n}_5", lambda: data.iid_scores(b, n, seed=5)),
+                cached(f"iidhint_{b}_{n}_{k}", lambda: gvr.topk_decode(data.iid_scores(b, n, seed=6), k)))
+
     for n in [n0 + e for n0 in a.n for e in a.extra]:
         for ov in (a.overlap if a.rows != "iid" else [0.0]):
             if a.rows == "traces":
@@ -140,8 +145,7 @@ def main(argv=None):
             if a.generate_only:
                 if a.rows == "iid":
                     for b in a.batch:
-                        cached(f"iid_{b}_{n}_5", lambda: data.iid_scores(b, n, seed=5))
-                        cached(f"iidhint_{b}_{n}_{k}", lambda: gvr.topk_decode(data.iid_scores(b, n, seed=6), k))
+                        iid_rows(b, n)
                 print(f"# N={n} overlap {ov:.2f}: rows in {a.cache}", flush=True)
                 continue
             if a.rows == "tiled":
@@ -154,8 +158,7 @@ def main(argv=None):
                     xg = torch.from_numpy(np.ascontiguousarray(xb[1][:b])).cuda()
                     pb = torch.from_numpy(np.ascontiguousarray(hb[:b])).cuda()
                 else:
-                    xg = torch.from_numpy(cached(f"iid_{b}_{n}_5", lambda: data.iid_scores(b, n, seed=5))).cuda()
-                    pb = torch.from_numpy(cached(f"iidhint_{b}_{n}_{k}", lambda: gvr.topk_decode(data.iid_scores(b, n, seed=6), k))).cuda()
+                    xg, pb = (torch.from_numpy(v).cuda() for v in iid_rows(b, n))
                 out = torch.empty((b, k), dtype=torch.int32, device="cuda")
                 fns = {
                     "gvr_prev": lambda: gvr.topk_decode(xg, k, prev_topk=pb, out=out, method=a.method),

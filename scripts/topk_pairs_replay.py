@@ -19,7 +19,8 @@ path a test's rows take without a GPU:
     python scripts/topk_pairs_replay.py --n 131072 --batch 1 --k 2048 --rows-from trace45 --band 1.5 1.5 --band 0.4 1.4
                                        # register-held rows' first band instead (scripts/patches/topk_band_asym.diff)
 
-`--rows-from iid` / `trace02|45|95`: benchmarks/bench_topk.py's workloads. Otherwise the rows are the first ones of tests/test_topk_gpu.py::test_streamed_pair_tiles (`--rows-from test`), or
+`--rows-from iid` / `trace02|45|95`: benchmarks/bench_topk.py's workloads; `pool45`: the trace45 rows of
+`bench_topk.py --pool COUNT` (both timed steps: 2 x --rows rows, of N + 1 and N + 2). Otherwise the rows are the first ones of tests/test_topk_gpu.py::test_streamed_pair_tiles (`--rows-from test`), or
 rows drawn like scripts/sanitize_case.py's pair-tile case (`--rows-from sanitize`: the same distribution,
 not the same rows, whose generator serves earlier cases first). The geometry is the launcher's
 (kernels/topk/topk.cu, plan_gvr) on a GPU of --sms SMs, assuming the streamed kernel and rows that start on
@@ -145,6 +146,10 @@ def rows(kind, batch, n, count, k):
     from gvr import data
     if kind.startswith("trace"):  # benchmarks/bench_topk.py's trace workloads (their first step)
         return data.decode_trace_batch(count, n, 1, k=k, overlap=int(kind[5:]) / 100, seed=0)[0]
+    if kind == "pool45":  # bench_topk.py --pool's trace45 rows: rho calibrated on row 0, steps 1 and 2 (N + 1, N + 2)
+        rho = float(data.rho_for_overlap(0.45, n, k=k, seed=0))
+        tr = data.decode_trace_batch(count, n, 3, k=k, seed=0, rho=rho)
+        return [np.asarray(r, dtype=np.float32) for t in (1, 2) for r in tr[t]]
     if kind == "iid":  # bench_topk's iid workload: fresh N(0, 1) rows
         return data.iid_scores(count, n, dist="normal", seed=17)
     if kind == "test":
@@ -163,7 +168,7 @@ def main():
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--k", type=int, nargs="+", required=True)
     ap.add_argument("--rows", type=int, default=16, help="rows replayed (the first ones of the batch)")
-    ap.add_argument("--rows-from", choices=("test", "sanitize", "iid", "trace02", "trace45", "trace95"), default="test",
+    ap.add_argument("--rows-from", choices=("test", "sanitize", "iid", "trace02", "trace45", "trace95", "pool45"), default="test",
                     help="iid / traceNN: benchmarks/bench_topk.py's workloads (k is the trace's calibration k)")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--factor", type=float, nargs="+", default=[1.15], help="tc's target rank, in k (kernel: 1.15)")
@@ -199,7 +204,8 @@ def replay_n(a, n):
                     paths = {}
                     ratios = []
                     for row in x:
-                        path, total = replay(row, k, c, nch, cap, rc, factor=f, margin=m, sample=sm, skew=sk)
+                        path, total = replay(row, k, *geometry(row.size, a.batch, a.sms), rc, factor=f, margin=m,
+                                             sample=sm, skew=sk)
                         paths[path] = paths.get(path, 0) + 1
                         ratios.append(total / k)
                     shown = ", ".join(f"{p}: {cnt}" for p, cnt in sorted(paths.items()))
