@@ -34,8 +34,9 @@
  *    (measured: no threshold from it beat the sample's, and where the previous Top-K mostly persists
  *    its statistics put the threshold above the k-th value). The first pass (verify) only compares
  *    each element with tc, the sample's estimate of the 1.15 k-th value, and
- *    collects the (key, index) pairs at or above it into per-warp shared-memory segments at offsets
- *    from a warp scan of per-thread bit masks: no histogram and no shared atomics, so it runs at the speed of the loads. When at
+ *    collects the (value bits, index) pairs at or above it into per-warp shared-memory segments at
+ *    offsets from a warp scan of per-thread bit masks (each warp turns its values into stored keys
+ *    after the pass): no histogram and no shared atomics, so it runs at the speed of the loads. When at
  *    least kk lie at or above tc and no warp overflowed, the rounds and the output read the pairs,
  *    not the row (one pass over the row in all). Fewer than kk (the sample overshot): a second pass
  *    (collect_between) appends the elements of a band [tlo, tc) below, then the same from the pairs.
@@ -731,14 +732,21 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (verify) { /* uniform over the cluster; verify implies STREAM (register-held rows keep the band
                    * rounds: measured, a verify pass there costs one more cluster exchange than it saves) */
         uint32_t kmax = 0u;
+        /* the pass stores raw float32 bits in the pairs and keeps the largest value taken (NaN: none yet;
+         * fmaxf returns the other operand); both become stored keys after it */
+        float vmax = __int_as_float(0x7FFFFFFF);
         /* Per chunk: this thread's elements at or above tc as a bit mask (NaN, and the NaN fill
          * outside the row, fail the compare), a warp scan of the counts, then each thread writes
          * its few pairs at consecutive slots (lane order, then element order: deterministic). The
          * compare and the mask take about 3 instructions per element: with a ballot and a branch per
          * element the pass was issue bound near the copy bandwidth (its speed moved with code
-         * generation, +-10%, measured). The dense form executes ~28 per element in all (Nsight
+         * generation, +-10%, measured). The dense form executed ~28 per element in all (Nsight
          * Compute, B=64 128K, session 30), ~10 of them the stored key and kmax of every element,
-         * taken or not (scripts/patches/topk_raw_pairs.diff moves them after the pass; not yet run). */
+         * taken or not; so the pass stores the raw bits and the largest value taken (a predicated
+         * fmaxf), and each warp turns its own ~60-120 pairs into stored keys after it (static SASS of
+         * the dense loop 655 -> 494 instructions). H200 (benchmarks/RESULTS.md, session 31), against
+         * the stored key per element: 64 distinct decode-trace rows B=64 128K 20.3 -> 17.3 us, 64K
+         * 14.2 -> 12.9, 256K 30.0 -> 27.7, B=8 256K 12.9 -> 12.4; i.i.d. rows B=64 128K 29.6 -> 26.4. */
         auto collect = [&](const auto &tl, auto dense_c) {
             constexpr int NE = std::decay_t<decltype(tl)>::NE;
             unsigned cm = 0u;
@@ -753,20 +761,19 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                 for (int q = 0; q < NE; q++) {
                     const bool take = (cm >> q) & 1u;
-                    const uint32_t key = stored_key(__uint_as_float(tl.key[q]));
                     if (take && pos < seg_cap)
-                        wseg[pos] = make_uint2(key, (uint32_t)tl.index(q >> 2, q & 3));
-                    kmax = take && key > kmax ? key : kmax;
+                        wseg[pos] = make_uint2(tl.key[q], (uint32_t)tl.index(q >> 2, q & 3));
+                    if (take)
+                        vmax = fmaxf(vmax, __uint_as_float(tl.key[q]));
                     pos += take;
                 }
             } else if (cm) {
 #pragma unroll
                 for (int q = 0; q < NE; q++)
                     if ((cm >> q) & 1u) {
-                        const uint32_t key = stored_key(__uint_as_float(tl.key[q]));
                         if (pos < seg_cap)
-                            wseg[pos] = make_uint2(key, (uint32_t)tl.index(q >> 2, q & 3));
-                        kmax = key > kmax ? key : kmax;
+                            wseg[pos] = make_uint2(tl.key[q], (uint32_t)tl.index(q >> 2, q & 3));
+                        vmax = fmaxf(vmax, __uint_as_float(tl.key[q]));
                         pos++;
                     }
             }
@@ -793,6 +800,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             pass(std::true_type{});
         else
             pass(std::false_type{});
+        /* this warp's pairs: raw bits -> stored keys (the taken values are >= tc: never NaN); kmax from
+         * the largest value taken, those past a full segment included */
+        {
+            __syncwarp(); /* the warp's pairs, written by its lanes */
+            const int n = wcount < seg_cap ? wcount : seg_cap;
+            for (int i = lane; i < n; i += 32)
+                wseg[i].x = stored_key(__uint_as_float(wseg[i].x));
+            kmax = vmax == vmax ? stored_key(vmax) : 0u;
+            __syncwarp();
+        }
         PROF(25);
         /* pre: this CTA's pairs binned over [tc, tc + band) (pairs are at or above tc: bins >= 1; the top
          * bin counted in registers); of use when the cluster's pairs hold the kk-th and no warp
