@@ -54,6 +54,7 @@
 #   topkab   an A/B of topk variants on one machine (GVR_TOPK_PF values, libraries carried as build/ab_*.so.gz)
 #   hintsweep  issue 15's hint-quality sweep: bench_topk over overlaps 2..95%, B 1/8/64, N 32K..256K
 #   topkpool  bench_topk with $POOL (default 64) distinct rows per cell: trace45 and iid, N 64K-256K, B 1/8/64 (~190 s)
+#   topkpoolab  an A/B of whole libraries (installed + carried build/ab_*.so.xz) on topkpool's batches, a new seed per round
 #   topkvar  variants of the streamed gvr kernel (TOPK_VARIANTS="name:-DMACRO=v ...[|patch.diff];..."), built here and
 #            A/B'd (topkab) against the installed library
 #   topkprof  phase stamps (profile) from a -DGVR_PROFILE library built here first; PP_CASES as profile's
@@ -582,6 +583,34 @@ topkpool() {  # bench_topk on CUDA with $POOL (default 64) independent trace row
   echo "exit $?"; tail -40 "$OUT/bench_pool.log"
 }
 
+topkpoolab() {  # a whole-library A/B on topkpool's realistic batches: bench_topk --pool $POOL (default 64) for the
+  # installed library and each carried build/ab_NAME.so.xz, interleaved, round i with seed i - 1 (the same rows for every
+  # library within a round, other rows in the next: more distinct batches than one grid), $AB_REPEAT rounds (default 2),
+  # workloads $POOL_WL (default trace45), N $AB_N (default 131072), B $AB_B (default 64); ~70 s per run at 128K
+  # (generation 55 s) -> $OUT/poolab.log, poolab_compare.log (per cell: each library's warm gvr µs, every round)
+  say "bench_topk --pool A/B"
+  rm -f /tmp/poolab_*.json
+  pool_run() {
+    (cd /tmp && timeout ${POOL_TIMEOUT:-300} $PY "$ROOT/benchmarks/bench_topk.py" --device cuda --pool ${POOL:-64} \
+      --workloads ${POOL_WL:-trace45} --n ${AB_N:-131072} --batch ${AB_B:-64} --seed $(($2 - 1)) --cold-reps 10 \
+      --out "/tmp/poolab_$1_$2.json") >> "$OUT/poolab.log" 2>&1
+  }
+  with_each_lib pool_run
+  $PY - <<'PYEOF' 2>&1 | tee "$OUT/poolab_compare.log"
+import collections, glob, json, os
+t, names = collections.defaultdict(lambda: collections.defaultdict(list)), []
+for path in sorted(glob.glob("/tmp/poolab_*.json"), key=os.path.getmtime):
+    name, rnd = os.path.basename(path)[len("poolab_"):-5].rsplit("_", 1)
+    names += [name] if name not in names else []
+    for c in json.load(open(path))["cells"]:
+        t[(c["workload"], c["b"], c["n"])][name].append(f"{c['methods']['gvr']['warm']['median_us']:.2f}")
+print("gvr warm µs per round (round i: seed i - 1); cells: workload, B, N")
+print(f"{'workload':9s} {'B':>3s} {'N':>7s}  " + "  ".join(f"{x:>20s}" for x in names))
+for (w, b, n), d in sorted(t.items()):
+    print(f"{w:9s} {b:3d} {n:7d}  " + "  ".join(f"{' '.join(d[x]):>20s}" for x in names))
+PYEOF
+}
+
 ncu_b1() {  # Nsight Compute on the B=1 cells of 1K, 4K and 8K tokens (NCU_TOKENS overrides)
   for tok in ${NCU_TOKENS:-1024 4096 8192}; do
     say "ncu B=1 $tok tokens"
@@ -693,6 +722,7 @@ for mode in "${@:-check}"; do
     prefetcher) prefetcher ;;
     hintsweep) hintsweep ;;
     topkpool) topkpool ;;
+    topkpoolab) topkpoolab ;;
     topkquick) topkquick ;;
     profile) profile ;;
     attnprofile) attnprofile ;;
