@@ -600,7 +600,7 @@ topkpoolab() {  # a whole-library A/B on topkpool's realistic batches: bench_top
 import collections, glob, json, os
 t, names = collections.defaultdict(lambda: collections.defaultdict(list)), []
 for path in sorted(glob.glob("/tmp/poolab_*.json"), key=os.path.getmtime):
-    name, rnd = os.path.basename(path)[len("poolab_"):-5].rsplit("_", 1)
+    name = os.path.basename(path)[len("poolab_"):-5].rsplit("_", 1)[0]
     names += [name] if name not in names else []
     for c in json.load(open(path))["cells"]:
         t[(c["workload"], c["b"], c["n"])][name].append(f"{c['methods']['gvr']['warm']['median_us']:.2f}")
