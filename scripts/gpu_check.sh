@@ -38,7 +38,8 @@
 #   topkquick  the topk GPU tests, then scripts/quick_gpu_bench.py over N 32K-256K, B 1/8/64 -> $OUT/quick_topk.json
 #   profile  scripts/profile_phases.py with -DGVR_PROFILE libraries built elsewhere and carried as
 #            build/prof_NAME.so.gz or build/libprof.so.gz (PP_CASES="N B,N B" picks the cases; PP_ARGS: more
-#            arguments, e.g. "--rows iid": i.i.d. rows, one below the streamed threshold first)
+#            arguments, e.g. "--rows iid": i.i.d. rows, one below the streamed threshold first; "--reps 9": per
+#            stamp the median of 9 more calls; PP_TAIL: the log lines shown, default 30)
 #   attnsan  compute-sanitizer memcheck + racecheck on the attention cases
 #   fp8      fp8 (e4m3fn) caches: their GPU tests (tests/test_attention_fp8_gpu.py), all failures listed
 #   fp8bench bench_attention.py --quick (with its fp8 section) -> $OUT/results_attention_quick.json

@@ -2,7 +2,10 @@
 """Phase timing of the Top-K kernels: clock64 stamps of row 0, CTA 0, thread 0, read from a debug
 library built with -DGVR_PROFILE (kernels/common/profile.cuh). Debugging aid, not a benchmark.
 
-    python scripts/profile_phases.py PROFILE_LIB [--cases "N B,N B"]
+    python scripts/profile_phases.py PROFILE_LIB [--cases "N B,N B"] [--reps R]
+
+--reps R: R more calls per case after the first line's, and per stamp their median (one call's stamps move
+by a few hundred cycles from call to call).
 
 PROFILE_LIB replaces the installed gvr's libgvr_cuda.so for the run (restored afterwards). Build it
 from a copy of the tree, where nvcc is (the GPU machine's build time is scarce), and carry it there:
@@ -33,6 +36,7 @@ def main():
     ap.add_argument("lib")
     ap.add_argument("--cases", default="32768 64,65536 64,131072 64,262144 64,32768 1,131072 1")
     ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=1, help="more calls per case, and per stamp their median")
     ap.add_argument("--rows", choices=("trace", "iid"), default="trace",
                     help="trace: one decode-trace row (45%% and 2%% overlap) repeated B times, with and without the hint; "
                          "iid: B distinct N(0, 1) rows (quick_gpu_bench.py --rows iid's), without it, the first row "
@@ -64,7 +68,7 @@ def run(a):
         N, B = (int(v) for v in case.split())
         if a.rows == "iid":
             stamp(lib, torch.from_numpy(iid_below_first(data, N, B, k)).cuda(), k, dict(method="gvr"),
-                  f"N={N} B={B} iid {'gvr-noprev':10s}")
+                  f"N={N} B={B} iid {'gvr-noprev':10s}", a.reps)
             continue
         for ov in (0.45, 0.02):
             tr = data.decode_trace_batch(1, N, 2, k=k, overlap=ov, seed=1)
@@ -72,11 +76,13 @@ def run(a):
             x = torch.from_numpy(np.tile(tr[1][0][:N], (B, 1))).cuda()
             pb = prev.expand(B, k).contiguous()
             for label, kw in (("gvr+prev", dict(prev_topk=pb, method="gvr")), ("gvr-noprev", dict(method="gvr"))):
-                stamp(lib, x, k, kw, f"N={N} B={B} ov={ov} {label:10s}")
+                stamp(lib, x, k, kw, f"N={N} B={B} ov={ov} {label:10s}", a.reps)
 
 
-def stamp(lib, x, k, kw, title):
-    """three calls, then the last one's stamps (tag:cycles from the start) and CTA spans"""
+def stamp(lib, x, k, kw, title, reps=1):
+    """three calls, then the last one's stamps (tag:cycles from the start) and CTA spans; reps > 1: that
+    many more calls, each one's stamps read, and per stamp the median over them (a line "median of R")
+    when every call took the same phases (the tags in the same order)"""
     import torch
     import gvr
     for _ in range(3):
@@ -89,6 +95,21 @@ def stamp(lib, x, k, kw, title):
     st = " ".join(f"{buf[i] % 100}:{buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)}" for i in range(n))
     print(f"{title} tag:cycles {st}", flush=True)
     print("    " + spans(buf), flush=True)
+    if reps <= 1:
+        return
+    runs = []
+    for _ in range(reps):
+        gvr.topk_decode(x, k, **kw)
+        torch.cuda.synchronize()
+        lib.gvr_debug_clocks(buf)
+        n = buf[63]
+        t0 = buf[0] // 100
+        runs.append([(buf[i] % 100, buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)) for i in range(n)])
+    if any([t for t, _ in r] != [t for t, _ in runs[0]] for r in runs):
+        print(f"    median of {reps}: the calls took different phases", flush=True)
+        return
+    med = np.median(np.array([[v for _, v in r] for r in runs], dtype=np.float64), axis=0)
+    print(f"    median of {reps}: " + " ".join(f"{t}:{int(m)}" for (t, _), m in zip(runs[0], med)), flush=True)
 
 
 def iid_below_first(data, n, b, k):

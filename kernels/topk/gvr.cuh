@@ -395,8 +395,6 @@ __global__ void __launch_bounds__(THREADS, 1)
                         int *__restrict__ out, long long out_stride, OutMap om, int C, int nch, int seg_cap,
                         int /* nslots: the ring's slots, STAGE_SLOTS (checked by the launcher) */)
 {
-    pdl_enter();
-    PROF_SPAN(0);
     __shared__ GvrShared<STREAM> s;
     using Cnt = BinCounts<STREAM>;
     constexpr int HW = Cnt::W;
@@ -405,12 +403,33 @@ __global__ void __launch_bounds__(THREADS, 1)
     int rank = 0;
     if constexpr (CLUSTER)
         rank = (int)cg::this_cluster().block_rank();
+    /* before the wait for the grids this one depends on (it touches no global memory): with
+     * programmatic dependent launch it overlaps their end. With the sample's positions by a shift
+     * (below), H200 (benchmarks/RESULTS.md, session 32): B=1 128K 8.59 -> 8.47 us, 64K 7.40 -> 7.28,
+     * B=8 256K 12.01 -> 11.78, B=64 128K 16.63 -> 16.38 */
+    if constexpr (CLUSTER) {
+        if (t == 0) {
+#pragma unroll
+            for (int i = 0; i < 3; i++)
+                mbar_init(&s.mb[i], 1);
+            fence_mbar_init();
+        }
+        /* the inits are visible to the peers after the matching wait (before the first push) */
+        cluster_arrive_relaxed();
+    }
+    if (t < GvrShared<STREAM>::WX)
+        s.hist[t] = 0;
+    pdl_enter();
+    PROF_SPAN(0);
     const int L = row_length(N, rg, row), kk = k < L ? k : L;
     const RowOut ro(out, out_stride, om, row);
     if (rank == 0)
         pad_tail(ro, kk, k);
-    if (kk == 0)
-        return; /* uniform over the cluster */
+    if (kk == 0) { /* uniform over the cluster */
+        if constexpr (CLUSTER)
+            cluster_wait();
+        return;
+    }
     const T *xr = scores + (long long)row * row_stride + row_start(N, rg, row);
     constexpr int P = RowTile<VEC>::P;
     const int S = nch * P; /* positions per CTA: [rank * S, rank * S + S), aligned coordinates */
@@ -459,16 +478,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         __pipeline_wait_prior(n);
         asm volatile("" ::: "memory");
     };
-    if constexpr (CLUSTER) {
-        if (t == 0) {
-#pragma unroll
-            for (int i = 0; i < 3; i++)
-                mbar_init(&s.mb[i], 1);
-            fence_mbar_init();
-        }
-        /* the inits are visible to the peers after the matching wait (before the first push) */
-        cluster_arrive_relaxed();
-    }
 
     /* loads: prediction indices, the row, the scores at the predicted indices */
     int pidx[PRED_PER_THREAD];
@@ -501,7 +510,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < SPT; i++) {
             const int j = t + i * THREADS;
-            sval[i] = j < sm ? Elem<T>::ld(xr + (int)(((long long)j * L) / sm)) : __int_as_float(0x7FC00000);
+            /* position j L / sm without a division: j when sm = L (a row shorter than the sample), else a shift */
+            const int pj = L < SAMPLE<STREAM> ? j : (int)(((unsigned long long)j * (unsigned)L) / (unsigned)SAMPLE<STREAM>);
+            sval[i] = j < sm ? Elem<T>::ld(xr + pj) : __int_as_float(0x7FC00000);
         }
 #pragma unroll
         for (int i = 0; i < PRED_PER_THREAD; i++)
@@ -520,8 +531,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     if constexpr (!STREAM && !RAW_FIRST)
         tile.convert(); /* while the gathers are in flight */
-    if (t < GvrShared<STREAM>::WX)
-        s.hist[t] = 0;
     if (t < MAX_C) {
         /* per-rank valid elements: everything is "in" before the first round */
         const long long lo = (long long)t * S - shift, hi = lo + S; /* rank t's elements [lo, hi) */
@@ -529,7 +538,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         s.inb[t] = valid < 0 ? 0 : (int)valid;
         s.above[t] = 0;
     }
-    __syncthreads();
+    /* with a search, block_sum's barrier orders these writes before their readers: one barrier fewer
+     * before the guess (with the quantile computed before the block sum: B=1 128K 8.69 -> 8.52 us, H200,
+     * benchmarks/RESULTS.md, session 32) */
+    if (!search)
+        __syncthreads();
     PROF(1);
 
     /* interval state (uniform over the cluster) */
@@ -559,6 +572,10 @@ __global__ void __launch_bounds__(THREADS, 1)
          * block reduction of (n, sum d, sum d^2) each, d = v - pivot (a value of the same row, so that
          * E[d^2] - E[d]^2 does not cancel) */
         constexpr bool SKEW = STREAM && SKEW_A > 0.f;
+        /* the normal quantile of the share 1.15 kk / L (the row's size only), computed before the block
+         * sum, while the sample's loads are in flight */
+        const float frac = fminf(fmaxf(__fdividef(1.15f * (float)kk, (float)L), 1e-7f), 0.999999f);
+        const float zq = 1.41421356f * erfcinvf(2.f * frac);
         float st[SKEW ? 7 : 6] = {};
         pivot = isfinite(pivot) ? pivot : 0.f;
         if (kp >= 16) {
@@ -586,8 +603,6 @@ __global__ void __launch_bounds__(THREADS, 1)
          * the same in every CTA) */
         const float ins = __frcp_rn(fmaxf(st[3], 1.f)), mds = st[4] * ins, mean_s = pivot + mds;
         const float sd_s = sqrtf(fmaxf(st[5] * ins - mds * mds, 0.f));
-        const float frac = fminf(fmaxf(__fdividef(1.15f * (float)kk, (float)L), 1e-7f), 0.999999f);
-        const float zq = 1.41421356f * erfcinvf(2.f * frac);
         float center = mean_s + sd_s * zq; /* normal quantile of the sample */
         float spread = SAMPLE_SPREAD * sd_s;
         /* streamed: the verify pass collects from the sample's estimate (a threshold from the previous
@@ -1069,7 +1084,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             const float band = (float)(GVR_BINS - 2) / map.lay.inv_w;
             float v0 = 0.f, iw = 0.f;
             bool ok = false;
-            if (++value_rounds < MAX_VALUE_ROUNDS && ke - kb > (uint32_t)GVR_BINS) {
+            /* the next round's map; streamed rows compute none after the last round (H200, benchmarks/RESULTS.md,
+             * session 32: B=64 64K-256K, B=8 256K 0.06-0.2 us faster); register-held rows compute it (skipped,
+             * their VEC 8-9 instances measured up to 0.6 us slower, B=1 256K + 1, B=64 32K + 1: code generation) */
+            if ((!STREAM || Sb - Sb1 > CAND_CAP) && ++value_rounds < MAX_VALUE_ROUNDS && ke - kb > (uint32_t)GVR_BINS) {
                 if (bs == GVR_BINS - 1 && kb >= 2u && kb < KEY_POS_INF) {
                     v0 = key_value(kb); /* above the band: a band 8x wider on top of it */
                     iw = map.lay.inv_w * 0.125f;
