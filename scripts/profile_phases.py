@@ -90,9 +90,7 @@ def stamp(lib, x, k, kw, title, reps=1):
     torch.cuda.synchronize()
     buf = (ctypes.c_longlong * (64 + 2 * SPANS))()
     lib.gvr_debug_clocks(buf)
-    n = buf[63]
-    t0 = buf[0] // 100
-    st = " ".join(f"{buf[i] % 100}:{buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)}" for i in range(n))
+    st = " ".join(f"{t}:{v}" for t, v in tagged(buf))
     print(f"{title} tag:cycles {st}", flush=True)
     print("    " + spans(buf), flush=True)
     if reps <= 1:
@@ -102,14 +100,18 @@ def stamp(lib, x, k, kw, title, reps=1):
         gvr.topk_decode(x, k, **kw)
         torch.cuda.synchronize()
         lib.gvr_debug_clocks(buf)
-        n = buf[63]
-        t0 = buf[0] // 100
-        runs.append([(buf[i] % 100, buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)) for i in range(n)])
+        runs.append(tagged(buf))
     if any([t for t, _ in r] != [t for t, _ in runs[0]] for r in runs):
         print(f"    median of {reps}: the calls took different phases", flush=True)
         return
     med = np.median(np.array([[v for _, v in r] for r in runs], dtype=np.float64), axis=0)
     print(f"    median of {reps}: " + " ".join(f"{t}:{int(m)}" for (t, _), m in zip(runs[0], med)), flush=True)
+
+
+def tagged(buf):
+    """the stamps as (tag, cycles from the first stamp); tags 90 and up carry values, not cycles"""
+    n, t0 = buf[63], buf[0] // 100
+    return [(buf[i] % 100, buf[i] // 100 - (t0 if buf[i] % 100 < 90 else 0)) for i in range(n)]
 
 
 def iid_below_first(data, n, b, k):
