@@ -47,6 +47,7 @@
 #   attnab   A/B of attention kernels: scripts/attn_ab.py for the installed library and each carried build/ab_NAME.so.xz
 #   attnprofile  scripts/profile_attention_phases.py with -DGVR_PROFILE libraries carried as build/prof_NAME.so.xz
 #   topktests / topksan  the topk GPU tests / compute-sanitizer on the topk cases (prrsan, spardasan: on theirs)
+#   topkrace racecheck alone on the topk cases, within $SAN_TIMEOUT (default 540 s)
 #   calib    the EMA calibration on CUDA: its GPU tests and its time (T 4096 x Nb 2048, k 64)
 #   attncpu  the attention benchmark's CPU section on the host CPU (C path vs NumPy)
 #   topkabq  an A/B of whole libraries (installed + carried build/ab_*.so.xz): the quick table's gvr column, rows
@@ -141,6 +142,13 @@ sanitize() {  # $1: sanitize_case.py --only value; extra environment from the ca
     (cd /tmp && timeout 420 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$tool.log") clean summaries)"; tail -3 "$OUT/sanitizer_$1_$tool.log"
   done
+}
+
+topkrace() {  # compute-sanitizer racecheck alone on the topk cases, within $SAN_TIMEOUT (default 540 s): testsan's, after
+  # the tests, did not finish in 330 s (H200, session 32); session 28's took 269 s
+  say "compute-sanitizer racecheck (topk)"
+  (cd /tmp && timeout ${SAN_TIMEOUT:-540} compute-sanitizer --tool racecheck --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only topk) > "$OUT/sanitizer_topk_racecheck.log" 2>&1
+  echo "compute-sanitizer topk racecheck: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_topk_racecheck.log") clean summaries)"; tail -3 "$OUT/sanitizer_topk_racecheck.log"
 }
 
 prrfused() {  # issue 13's fused step pieces: repair(exclude, counts, cast_out), select_blocks(scores_out),
@@ -741,6 +749,7 @@ for mode in "${@:-check}"; do
     calib) calib ;;
     topktests) topktests ;;
     topksan) sanitize topk ;;
+    topkrace) topkrace ;;
     build) ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
