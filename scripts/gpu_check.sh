@@ -139,16 +139,19 @@ prr() {  # issue 13's pieces: their GPU tests, sanitizer, the demo on CUDA (thei
 sanitize() {  # $1: sanitize_case.py --only value; extra environment from the caller
   say "compute-sanitizer ($1)"
   for tool in memcheck racecheck; do
-    (cd /tmp && timeout 420 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$tool.log") clean summaries)"; tail -3 "$OUT/sanitizer_$1_$tool.log"
+    SAN_TIMEOUT=${SAN_TIMEOUT:-420} san_one $1 $tool
   done
+}
+
+san_one() {  # compute-sanitizer --tool $2 on sanitize_case.py --only $1, within $SAN_TIMEOUT (default 400 s)
+  (cd /tmp && timeout ${SAN_TIMEOUT:-400} compute-sanitizer --tool $2 --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$2.log" 2>&1
+  echo "compute-sanitizer $1 $2: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$2.log") clean summaries)"; tail -2 "$OUT/sanitizer_$1_$2.log"
 }
 
 topkrace() {  # compute-sanitizer racecheck alone on the topk cases, within $SAN_TIMEOUT (default 540 s): testsan's, after
   # the tests, did not finish in 330 s (H200, session 32); session 28's took 269 s
   say "compute-sanitizer racecheck (topk)"
-  (cd /tmp && timeout ${SAN_TIMEOUT:-540} compute-sanitizer --tool racecheck --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only topk) > "$OUT/sanitizer_topk_racecheck.log" 2>&1
-  echo "compute-sanitizer topk racecheck: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_topk_racecheck.log") clean summaries)"; tail -3 "$OUT/sanitizer_topk_racecheck.log"
+  SAN_TIMEOUT=${SAN_TIMEOUT:-540} san_one topk racecheck
 }
 
 prrfused() {  # issue 13's fused step pieces: repair(exclude, counts, cast_out), select_blocks(scores_out),
@@ -538,10 +541,6 @@ testsan() {  # every GPU test over $TEST_WORKERS pytest-xdist workers (default 6
   say "GPU tests (all, ${xd:-one process}) beside compute-sanitizer memcheck (${SAN_CASES:-topk})"
   (cd tests && timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -p no:cacheprovider -m gpu -rfEs --maxfail=40 $xd .) > "$OUT/pytest_gpu.log" 2>&1 &
   local pt=$! c
-  san_one() {
-    (cd /tmp && timeout ${SAN_TIMEOUT:-400} compute-sanitizer --tool $2 --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$2.log" 2>&1
-    echo "compute-sanitizer $1 $2: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$2.log") clean summaries)"; tail -2 "$OUT/sanitizer_$1_$2.log"
-  }
   (for c in ${SAN_CASES:-topk}; do san_one $c memcheck; done) &
   local sm=$!
   wait $pt; echo "pytest: exit $?"; tail -25 "$OUT/pytest_gpu.log"
