@@ -46,7 +46,8 @@
  *    collection drops its per-element branch where it collects a dense share (COLLECT_DENSE).
  *  - Register-held rows stay raw floats while the rounds and the output can compare values (value
  *    maps, key-aligned bounds); they become stored keys only when a round needs keys (shift maps,
- *    ties at the boundary).
+ *    ties at the boundary). Their rounds on raw floats count in 32-bit words, one add per element
+ *    and no branch (bin 0 included, never read), packed into the 16-bit pairs as they are sent.
  *  - Value rounds (at most 4): even value bins over a bracket, or a band 8x wider next to an open
  *    side when the k-th value fell outside the previous band.
  *  - Shift rounds: bins (ck - A) >> s on the composite key, 8 bits per round; they end the search
@@ -255,8 +256,17 @@ constexpr int GVR_RANKS = STREAM ? GVR_STREAM_MAX_C : MAX_C;
  * SM), copies issued before the sample's loads (29.5 us with half-chunk stages). */
 constexpr int STAGE_SLOTS = 2;
 
+/* register-held rows, the rounds on raw floats: 32-bit counts (one add of 1 per element, no 16-bit half to
+ * select), packed in pairs as they are sent */
 template <bool STREAM>
-struct GvrShared {
+struct RawCounts {
+    __align__(16) uint32_t hraw[GVR_BINS];
+};
+template <>
+struct RawCounts<true> {}; /* streamed rows: none (their layout as without it) */
+
+template <bool STREAM>
+struct GvrShared : RawCounts<STREAM> {
     static constexpr int W = BinCounts<STREAM>::W;
     /* streamed: rows of W + 32 words, room for the verify pass's 4 words (overflow, pairs, largest
      * key, fullest warp: words 0-3, or W to W + 3 behind the counts when the pairs were binned before
@@ -419,6 +429,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     if (t < GvrShared<STREAM>::WX)
         s.hist[t] = 0;
+    if constexpr (!STREAM)
+        if (t < GVR_BINS)
+            s.hraw[t] = 0;
     pdl_enter();
     PROF_SPAN(0);
     const int L = row_length(N, rg, row), kk = k < L ? k : L;
@@ -710,9 +723,26 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t phases = 0;
     /* s.hist[0, nw) of every rank into s.recv[par][rank] of every CTA (st.async pushes to the peers'
      * shared memory, completing on their parity-par mbarrier), then a block barrier; nw % 4 == 0 */
+    /* register-held rows: this round's counts are s.hraw's (streamed rows: a constant false, no state) */
+    [[maybe_unused]] std::conditional_t<STREAM, std::false_type, bool> from_raw{};
+    /* the 16-byte piece c of this CTA's words: s.hist's, or s.hraw's 32-bit counts packed in pairs */
+    auto word4 = [&](int c) -> uint4 {
+        if constexpr (!STREAM) {
+            if (from_raw) {
+                const uint4 a = reinterpret_cast<const uint4 *>(s.hraw)[2 * c];
+                const uint4 b = reinterpret_cast<const uint4 *>(s.hraw)[2 * c + 1];
+                return make_uint4(a.x | a.y << 16, a.z | a.w << 16, b.x | b.y << 16, b.z | b.w << 16);
+            }
+        }
+        return reinterpret_cast<const uint4 *>(s.hist)[c];
+    };
     auto exchange = [&](int nw) {
-        if (t < nw)
-            s.recv[par][rank][t] = s.hist[t];
+        if constexpr (STREAM) {
+            if (t < nw)
+                s.recv[par][rank][t] = s.hist[t];
+        } else if (t < nw / 4) {
+            reinterpret_cast<uint4 *>(s.recv[par][rank])[t] = word4(t);
+        }
         if constexpr (CLUSTER) {
             uint64_t *const mbp = &s.mb[par];
             const uint32_t mb = smem_u32(mbp);
@@ -721,7 +751,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             const int nc16 = nw / 4; /* 16-byte pieces per peer */
             for (int i = t; i < (C - 1) * nc16; i += THREADS) {
                 const int chunk = i % nc16, peer = (rank + 1 + i / nc16) % C;
-                const uint4 v = reinterpret_cast<const uint4 *>(s.hist)[chunk];
+                uint4 v;
+                if constexpr (STREAM)
+                    v = reinterpret_cast<const uint4 *>(s.hist)[chunk];
+                else
+                    v = word4(chunk);
                 st_async_v4(peer_u32(smem_u32(&s.recv[par][rank][chunk * 4]), peer), v, peer_u32(mb, peer));
             }
             mbar_wait(mbp, (phases >> par) & 1u);
@@ -969,13 +1003,23 @@ __global__ void __launch_bounds__(THREADS, 1)
                  * they would land in the uncounted bin 0 of any value map anyway) */
                 const float v0 = map.lay.v0, iw = map.lay.inv_w;
                 const float va = ka >= 2u ? key_value(ka) : -INFINITY, vz = key_value(kz);
+                /* No branch and no register count per element: every element adds 1 to its bin's 32-bit
+                 * count, bins 0 (below the band or outside [A, Z]: never read) and the top one included;
+                 * the lanes of a warp that add to one word are one update (the adds of 1 compile to
+                 * ATOMS.POPC.INC). The counts are packed in pairs as they are sent (word4). H200
+                 * (benchmarks/RESULTS.md, session 33), against a branch around a packed 16-bit add per
+                 * element and the top bin counted in a register: B=1 128K 8.50 -> 7.87 us, 256K 10.97 ->
+                 * 9.67, 32K 7.10 -> 6.77; B=8 128K 11.00 -> 9.62; B=64 32K 11.66 -> 10.41. With a branch
+                 * around 32-bit adds instead, B=1 32K-64K gained nothing; with the elements outside bins
+                 * 1-254 sent to a per-lane sink word and the top bin in a register, half of it. */
+                if constexpr (!STREAM) {
+                    from_raw = true;
 #pragma unroll
-                for (int i = 0; i < 4 * VEC; i++) {
-                    const float v = __uint_as_float(tile.key[i]);
-                    const int b = (v >= va && v <= vz) ? value_bin_f<GVR_BINS>(v0, iw, v) : 0;
-                    top += b == GVR_BINS - 1;
-                    if (b && b < GVR_BINS - 1)
-                        Cnt::add(s.hist, b);
+                    for (int i = 0; i < 4 * VEC; i++) {
+                        const float v = __uint_as_float(tile.key[i]);
+                        const int b = (v >= va && v <= vz) ? value_bin_f<GVR_BINS>(v0, iw, v) : 0;
+                        atomicAdd(&s.hraw[b], 1u); /* bin 0's count is never read */
+                    }
                 }
             } else if (map.value) {
                 to_keys();
@@ -1015,8 +1059,16 @@ __global__ void __launch_bounds__(THREADS, 1)
                 });
             }
             top = __reduce_add_sync(0xFFFFFFFFu, top);
-            if (lane == 0 && top)
-                Cnt::add(s.hist, GVR_BINS - 1, top);
+            if (lane == 0 && top) {
+                if constexpr (!STREAM) {
+                    if (from_raw)
+                        atomicAdd(&s.hraw[GVR_BINS - 1], (uint32_t)top);
+                    else
+                        Cnt::add(s.hist, GVR_BINS - 1, top);
+                } else {
+                    Cnt::add(s.hist, GVR_BINS - 1, top);
+                }
+            }
             __syncthreads();
             PROF(20);
             exchange(HW);
@@ -1025,6 +1077,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         have_hist = false;
         if (t < HW)
             s.hist[t] = 0;
+        if constexpr (!STREAM) {
+            if (from_raw && t < GVR_BINS)
+                s.hraw[t] = 0;
+            from_raw = false;
+        }
         /* cluster-summed counts, suffix sums from the top bin down, the bin holding the kk-th */
         const int b = GVR_BINS - 1 - t;
         int cnt = 0;
