@@ -721,8 +721,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     int par = 0, value_rounds = 0;
     uint32_t phases = 0;
-    /* s.hist[0, nw) of every rank into s.recv[par][rank] of every CTA (st.async pushes to the peers'
-     * shared memory, completing on their parity-par mbarrier), then a block barrier; nw % 4 == 0 */
+    /* s.hist[0, nw) of every rank (or, from_raw, s.hraw's counts packed: word4) into s.recv[par][rank] of
+     * every CTA (st.async pushes to the peers' shared memory, completing on their parity-par mbarrier), then
+     * a block barrier; nw % 4 == 0 */
     /* register-held rows: this round's counts are s.hraw's (streamed rows: a constant false, no state) */
     [[maybe_unused]] std::conditional_t<STREAM, std::false_type, bool> from_raw{};
     /* the 16-byte piece c of this CTA's words: s.hist's, or s.hraw's 32-bit counts packed in pairs */
@@ -1059,6 +1060,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 });
             }
             top = __reduce_add_sync(0xFFFFFFFFu, top);
+            /* (a raw round counts its top bin with the others: top is 0 there, and the from_raw branch below
+             * is never taken; it is kept as measured) */
             if (lane == 0 && top) {
                 if constexpr (!STREAM) {
                     if (from_raw)
