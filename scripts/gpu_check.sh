@@ -108,7 +108,7 @@ check() {
   say "compute-sanitizer"
   for tool in memcheck racecheck; do
     (cd /tmp && timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py") > "$OUT/sanitizer_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
+    echo "compute-sanitizer $tool: exit $? ($(grep -cE '(ERROR|RACECHECK) SUMMARY: 0' "$OUT/sanitizer_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_$tool.log"
   done
   say "demo"
   (cd /tmp && timeout 120 $PY -m gvr) 2>&1 | tee "$OUT/demo.log" | tail -6
@@ -119,8 +119,7 @@ attn() {  # the attention operators only: their GPU tests, sanitizer on their ca
   (cd tests && timeout 400 $PY -m pytest -q -p no:cacheprovider -m gpu -rs -x test_attention_gpu.py test_attention_bad_input.py test_readme.py) 2>&1 | tee "$OUT/pytest_attention_gpu.log" | tail -15
   say "compute-sanitizer (attention)"
   for tool in memcheck racecheck; do
-    (cd /tmp && timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only attention) > "$OUT/sanitizer_attention_$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_attention_$tool.log") clean summaries)"; tail -2 "$OUT/sanitizer_attention_$tool.log"
+    SAN_TIMEOUT=200 san_one attention $tool
   done
   say "attention benchmark"
   (cd /tmp && timeout 300 $PY "$ROOT/benchmarks/bench_attention.py" --json "$OUT/results_attention_cuda.json" \
@@ -145,7 +144,7 @@ sanitize() {  # $1: sanitize_case.py --only value; extra environment from the ca
 
 san_one() {  # compute-sanitizer --tool $2 on sanitize_case.py --only $1, within $SAN_TIMEOUT (default 400 s)
   (cd /tmp && timeout ${SAN_TIMEOUT:-400} compute-sanitizer --tool $2 --error-exitcode 9 $PY "$ROOT/scripts/sanitize_case.py" --only $1) > "$OUT/sanitizer_$1_$2.log" 2>&1
-  echo "compute-sanitizer $1 $2: exit $? ($(grep -c 'ERROR SUMMARY: 0' "$OUT/sanitizer_$1_$2.log") clean summaries)"; tail -2 "$OUT/sanitizer_$1_$2.log"
+  echo "compute-sanitizer $1 $2: exit $? ($(grep -cE '(ERROR|RACECHECK) SUMMARY: 0' "$OUT/sanitizer_$1_$2.log") clean summaries)"; tail -2 "$OUT/sanitizer_$1_$2.log"
 }
 
 topkrace() {  # compute-sanitizer racecheck alone on the topk cases, within $SAN_TIMEOUT (default 540 s): testsan's, after
